@@ -1,0 +1,19 @@
+"""Pure RL math: tensors in, tensors out (torch only, no config objects).
+
+Shapes follow the trainer's batch: ``(B, T)`` per response token, ``(B,)`` per sample.
+"""
+from .advantages import (EstimatorSpec, compute_advantages, discounted_returns, discounted_returns_reference, gae,
+                         gae_reference, get_estimator, group_stats, list_estimators, register_estimator)
+from .kl import (AdaptiveKLController, FixedKLController, apply_kl_in_reward, kl_penalty, list_kl_kinds,
+                 make_kl_controller)
+from .losses import LOSS_AGG_MODES, agg_loss, entropy_from_logits, list_loss_agg_modes, policy_loss, value_loss
+from .stats import global_count, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count",
+    "gae", "gae_reference", "discounted_returns", "discounted_returns_reference", "group_stats",
+    "EstimatorSpec", "register_estimator", "get_estimator", "list_estimators", "compute_advantages",
+    "kl_penalty", "list_kl_kinds", "FixedKLController", "AdaptiveKLController", "make_kl_controller",
+    "apply_kl_in_reward",
+    "LOSS_AGG_MODES", "list_loss_agg_modes", "agg_loss", "policy_loss", "value_loss", "entropy_from_logits",
+]

@@ -1,0 +1,344 @@
+"""Advantage estimators and their registry.
+
+Notation: ``B`` samples, ``T`` response tokens (right-padded). ``token_level_rewards (B, T)``,
+``values (B, T)``, ``response_mask (B, T)`` with 1 on tokens the policy generated. Outcome
+estimators use the sequence score ``s_i = sum_t r_{i,t}``. ``group_index (B,)`` is an integer id
+per sample: samples of one prompt share it (GRPO/RLOO groups).
+
+Masked positions *inside* a sequence (tool/observation tokens in multi-turn) are skipped by the
+recurrences: the running return/advantage and the next value carry across them unchanged, so
+whatever values or rewards sit there do not change the result. Outputs are 0 at masked positions.
+
+Data-parallel: ``dp_group`` makes whitening and group statistics global, so results equal the
+single-process computation on the concatenated batch, however it is split over ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .stats import masked_whiten
+
+__all__ = [
+    "gae",
+    "gae_reference",
+    "discounted_returns",
+    "discounted_returns_reference",
+    "group_stats",
+    "EstimatorSpec",
+    "register_estimator",
+    "get_estimator",
+    "list_estimators",
+    "compute_advantages",
+]
+
+
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# GAE
+# ---------------------------------------------------------------------------------------------
+
+def gae_reference(token_level_rewards, values, response_mask, gamma: float, lam: float):
+    """The plain reverse loop over time; the oracle for :func:`gae`.
+
+    For response positions t (skipping masked ones), with t' the next response position:
+        delta_t = r_t + gamma * V_{t'} - V_t          (V after the last response token = 0)
+        A_t     = delta_t + gamma * lam * A_{t'}
+        returns = A + V
+    Returns ``(advantages, returns)``, both (B, T), unwhitened, 0 at masked positions.
+    """
+    B, T = token_level_rewards.shape
+    m = response_mask.to(values.dtype)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    last_adv = torch.zeros(B, dtype=values.dtype, device=values.device)
+    adv = torch.zeros_like(values)
+    for t in reversed(range(T)):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * last_adv
+        mt = m[:, t]
+        next_value = mt * values[:, t] + (1 - mt) * next_value
+        last_adv = mt * a + (1 - mt) * last_adv
+        adv[:, t] = a
+    adv = _zero_masked(adv, response_mask)
+    ret = _zero_masked(adv + values, response_mask)
+    return adv, ret
+
+
+def _suffix_scan(x: torch.Tensor, decay: float, chunk: int = 32) -> torch.Tensor:
+    """y_t = x_t + decay * y_{t+1} along the last dim (y past the end = 0), without a loop over T.
+
+    The row is cut into chunks of C positions. Inside a chunk the recurrence is a (C, C)
+    upper-triangular matrix of powers decay^(s-t) (one batched matmul); the value entering each
+    chunk from the next is the recurrence over chunk starts with factor decay^C, again a small
+    triangular matmul over the chunks. Powers only shrink, so nothing overflows.
+    """
+    B, T = x.shape
+    if decay == 0.0:
+        return x.clone()
+    C = min(chunk, T)
+    nb = (T + C - 1) // C
+    if nb * C != T:
+        x = torch.nn.functional.pad(x, (0, nb * C - T))
+    dt, dev = x.dtype, x.device
+    i = torch.arange(C, device=dev)
+    expo = (i[None, :] - i[:, None]).to(torch.float64)          # s - t
+    W = torch.where(expo >= 0, decay ** expo.clamp(min=0), torch.zeros((), dtype=torch.float64, device=dev))
+    y_local = torch.matmul(x.view(B, nb, C), W.t().to(dt))       # (B, nb, C)
+    # carry_in[b] = y at the start of chunk b+1 = sum_{b' > b} decay^(C (b' - b - 1)) y_local[b', 0]
+    j = torch.arange(nb, device=dev)
+    e2 = (j[None, :] - j[:, None] - 1).to(torch.float64)        # b' - b - 1
+    K = torch.where(e2 >= 0, (decay ** C) ** e2.clamp(min=0), torch.zeros((), dtype=torch.float64, device=dev))
+    carry_in = torch.matmul(y_local[:, :, 0], K.t().to(dt))     # (B, nb)
+    tail = (decay ** (C - i).to(torch.float64)).to(dt)          # decay^(C - t)
+    y = torch.baddbmm(y_local, carry_in[:, :, None], tail.expand(B, 1, C))
+    return y.reshape(B, nb * C)[:, :T]
+
+
+class _Compaction:
+    """Moves each row's unmasked positions to the front (in order) and back again, so that
+    recurrences that skip masked positions become plain recurrences over a prefix."""
+
+    def __init__(self, mask: torch.Tensor, dtype: torch.dtype):
+        self.mask = mask.to(dtype)  # no copy when the mask already has the compute dtype
+        T = mask.shape[1]
+        # A right-padded (prefix) mask needs no moving: skip the scatter/gather.
+        self.identity = bool((self.mask[:, 1:] <= self.mask[:, :-1]).all()) if T > 1 else True
+        if not self.identity:
+            m = mask.bool()
+            pos = torch.cumsum(m, 1) - 1
+            self.index = torch.where(m, pos, torch.full_like(pos, T))  # masked -> a dump column
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.mask
+        if self.identity:
+            return x
+        B, T = x.shape
+        out = torch.zeros(B, T + 1, dtype=x.dtype, device=x.device)
+        return out.scatter_(1, self.index, x)[:, :T]
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """Back to the original positions, 0 where masked. For a prefix mask the packed result
+        of a recurrence over zero-padded inputs is already 0 past the end: nothing to do."""
+        if self.identity:
+            return y
+        y = torch.nn.functional.pad(y, (0, 1)).gather(1, self.index)
+        return y * self.mask
+
+
+def gae(token_level_rewards, values, response_mask, gamma: float, lam: float):
+    """Generalised advantage estimation without a Python loop over time (oracle:
+    :func:`gae_reference`, same semantics).
+
+    Response tokens are packed to the front of each row (skipping masked positions), then
+    delta_j = r_j + gamma V_{j+1} - V_j and A_j = delta_j + gamma lam A_{j+1} is solved by a
+    chunked triangular matmul (:func:`_suffix_scan`). Returns ``(advantages, returns)`` (B, T),
+    unwhitened, 0 where masked, in the promoted dtype of rewards and values.
+    """
+    dtype = torch.promote_types(values.dtype, token_level_rewards.dtype)
+    c = _Compaction(response_mask, dtype)
+    v = c.pack(values.to(dtype))
+    r = c.pack(token_level_rewards.to(dtype))
+    delta = r - v
+    delta[:, :-1].add_(v[:, 1:], alpha=gamma)   # + gamma V_{j+1}; 0 past each row's last token
+    adv = _suffix_scan(delta, gamma * lam)
+    return c.unpack(adv), c.unpack(adv + v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discounted return-to-go (REINFORCE++)
+# ---------------------------------------------------------------------------------------------
+
+def discounted_returns_reference(token_level_rewards, response_mask, gamma: float):
+    """G_t = r_t + gamma * G_{t'} over response positions (loop); 0 at masked positions."""
+    B, T = token_level_rewards.shape
+    m = response_mask.to(token_level_rewards.dtype)
+    running = torch.zeros(B, dtype=token_level_rewards.dtype, device=token_level_rewards.device)
+    out = torch.zeros_like(token_level_rewards)
+    for t in reversed(range(T)):
+        g = token_level_rewards[:, t] + gamma * running
+        running = m[:, t] * g + (1 - m[:, t]) * running
+        out[:, t] = g
+    return _zero_masked(out, response_mask)
+
+
+def discounted_returns(token_level_rewards, response_mask, gamma: float):
+    """Vectorised :func:`discounted_returns_reference`."""
+    c = _Compaction(response_mask, token_level_rewards.dtype)
+    return c.unpack(_suffix_scan(c.pack(token_level_rewards), gamma))
+
+
+# ---------------------------------------------------------------------------------------------
+# Group statistics (GRPO / RLOO), DP-global when a group is given
+# ---------------------------------------------------------------------------------------------
+
+def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
+    """Per-sample (count, mean, unbiased std) of the sample's group.
+
+    scores (B,), group_index (B,) integer ids. With ``dp_group`` the members of a group may sit
+    on different ranks: per-id sums are all-reduced over a table keyed by the union of ids.
+    Singleton groups get std = nan-free 0 (callers decide what a singleton means).
+    """
+    s = scores.to(torch.float64)
+    gid = group_index.to(torch.int64)
+    if dp_group is not None:
+        # Agree on the set of ids: gather every rank's ids (small: one int per sample).
+        world = dist.get_world_size(dp_group)
+        n_local = torch.tensor([gid.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, n_local, group=dp_group)
+        mx = int(max(x.item() for x in sizes))
+        padded = torch.full((mx,), -1, dtype=torch.int64)
+        padded[: gid.numel()] = gid.cpu()
+        bufs = [torch.empty(mx, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(bufs, padded, group=dp_group)
+        all_ids = torch.cat(bufs)
+        uniq = torch.unique(all_ids[all_ids >= 0]).to(gid.device)
+    else:
+        uniq = torch.unique(gid)
+    inv = torch.searchsorted(uniq, gid)
+    G = uniq.numel()
+    table = torch.zeros(3, G, dtype=torch.float64, device=s.device)
+    table[0].index_add_(0, inv, torch.ones_like(s))
+    table[1].index_add_(0, inv, s)
+    if dp_group is not None:
+        t01 = table[:2].clone()
+        dist.all_reduce(t01, group=dp_group)
+        table[:2] = t01
+    cnt, tot = table[0], table[1]
+    mean = tot / cnt.clamp(min=1)
+    dev = (s - mean[inv]) ** 2
+    ss = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, inv, dev)
+    if dp_group is not None:
+        dist.all_reduce(ss, group=dp_group)
+    std = torch.where(cnt > 1, torch.sqrt(ss / (cnt - 1).clamp(min=1)), torch.zeros_like(ss))
+    return cnt[inv], mean[inv], std[inv]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    fn: Callable
+    needs_critic: bool = False     # uses values (the run builds a critic)
+    group_relative: bool = False   # compares samples of one prompt (needs rollout.n > 1)
+    needs_baseline: bool = False   # needs a per-sample baseline score (ReMax)
+
+
+_REGISTRY: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, *, needs_critic: bool = False, group_relative: bool = False,
+                       needs_baseline: bool = False, aliases: tuple[str, ...] = ()):
+    """Decorator: register ``fn(**batch) -> (advantages, returns)`` under ``name`` (and aliases).
+
+    The function receives keyword arguments token_level_rewards, response_mask, values,
+    group_index, gamma, lam, norm_adv_by_std_in_grpo, baseline_scores, dp_group.
+    """
+    def deco(fn):
+        for n in (name,) + tuple(aliases):
+            if n in _REGISTRY:
+                raise ValueError(f"advantage estimator {n!r} is already registered")
+            _REGISTRY[n] = EstimatorSpec(n, fn, needs_critic, group_relative, needs_baseline)
+        return fn
+    return deco
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(list_estimators())}") from None
+
+
+def list_estimators() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def compute_advantages(estimator: str, *, token_level_rewards, response_mask, values=None, group_index=None,
+                       gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
+                       baseline_scores=None, dp_group=None):
+    """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T)."""
+    spec = get_estimator(estimator)
+    if spec.needs_critic and values is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs values (a critic)")
+    if spec.group_relative and group_index is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs group_index (one id per prompt)")
+    if spec.needs_baseline and baseline_scores is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs baseline_scores (the greedy rollout's scores)")
+    return spec.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, values=values,
+                   group_index=group_index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+                   baseline_scores=baseline_scores, dp_group=dp_group)
+
+
+def _outcome(scores: torch.Tensor, response_mask, dtype) -> torch.Tensor:
+    """Broadcast a per-sample advantage (B,) over its response tokens."""
+    return _zero_masked(scores.to(dtype)[:, None].expand(response_mask.shape), response_mask)
+
+
+def _scores(token_level_rewards, response_mask):
+    return (token_level_rewards.to(torch.float64) * response_mask.to(torch.float64)).sum(-1)
+
+
+@register_estimator("gae", needs_critic=True)
+def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp_group, **_):
+    """GAE; advantages whitened over the (DP-global) batch, returns = unwhitened adv + values."""
+    adv, ret = gae(token_level_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(adv, response_mask, group=dp_group), ret
+
+
+@register_estimator("grpo", group_relative=True, aliases=("grpo_vectorized",))
+def _grpo(*, token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, dp_group, **_):
+    """A_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std); singleton group: mean 0, std 1.
+    ``norm_adv_by_std_in_grpo=False``: A_i = s_i - mean_g (Dr.GRPO)."""
+    s = _scores(token_level_rewards, response_mask)
+    cnt, mean, std = group_stats(s, group_index, dp_group)
+    single = cnt <= 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    a = (s - mean) / (std + 1e-6) if norm_adv_by_std_in_grpo else s - mean
+    out = _outcome(a, response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+@register_estimator("rloo", group_relative=True, aliases=("rloo_vectorized",))
+def _rloo(*, token_level_rewards, response_mask, group_index, dp_group, **_):
+    """A_i = s_i - mean of the other members of the group = n/(n-1) (s_i - mean_g); a singleton
+    keeps its score (there is no other member to compare with)."""
+    s = _scores(token_level_rewards, response_mask)
+    cnt, mean, _ = group_stats(s, group_index, dp_group)
+    a = torch.where(cnt > 1, (s - mean) * cnt / (cnt - 1).clamp(min=1), s)
+    out = _outcome(a, response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+@register_estimator("reinforce_plus_plus")
+def _rpp(*, token_level_rewards, response_mask, gamma, dp_group, **_):
+    """Discounted return-to-go G_t, whitened over the batch; returns = G."""
+    ret = discounted_returns(token_level_rewards, response_mask, gamma)
+    return masked_whiten(ret, response_mask, group=dp_group), ret
+
+
+@register_estimator("reinforce_plus_plus_baseline", group_relative=True)
+def _rpp_baseline(*, token_level_rewards, response_mask, group_index, dp_group, **_):
+    """s_i - group mean, broadcast over tokens, then whitened over the batch."""
+    s = _scores(token_level_rewards, response_mask)
+    _, mean, _ = group_stats(s, group_index, dp_group)
+    a = _outcome(s - mean, response_mask, token_level_rewards.dtype)
+    return masked_whiten(a, response_mask, group=dp_group), a
+
+
+@register_estimator("remax", needs_baseline=True)
+def _remax(*, token_level_rewards, response_mask, baseline_scores, **_):
+    """Return-to-go (gamma 1) minus the greedy baseline's score; returns = return-to-go."""
+    ret = discounted_returns(token_level_rewards, response_mask, 1.0)
+    a = _zero_masked(ret - baseline_scores.to(ret.dtype)[:, None], response_mask)
+    return a, ret

@@ -1,0 +1,64 @@
+"""The entry point as a user runs it: python -m megappo.train ..."""
+import subprocess
+import sys
+
+import yaml
+
+from megappo.config import load_config, to_dict
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "megappo.train", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_dry_run_prints_the_resolved_default_config():
+    p = run("--dry-run")
+    assert p.returncode == 0, p.stderr
+    printed = yaml.safe_load(p.stdout)
+    assert printed == to_dict(load_config([], ["tiny_cpu"]))
+    assert "# layout: world=2" in p.stdout and "DP=2" in p.stdout
+
+
+def test_dry_run_applies_overrides_and_files(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("trainer:\n  experiment_name: fromfile\n")
+    p = run("--dry-run", "--config", "tiny_cpu", "--config", str(f), "data.seed=7")
+    assert p.returncode == 0, p.stderr
+    printed = yaml.safe_load(p.stdout)
+    assert printed["trainer"]["experiment_name"] == "fromfile"
+    assert printed["data"]["seed"] == 7
+
+
+def test_bad_value_fails_fast_naming_the_key():
+    p = run("actor_rollout_ref.actor.clip_ratio_c=0.5")
+    assert p.returncode == 2
+    assert "actor_rollout_ref.actor.clip_ratio_c" in p.stderr
+    assert "must be > 1" in p.stderr
+    assert p.stdout == ""  # nothing resolved or started
+
+
+def test_typo_is_named_with_suggestion():
+    p = run("actor_rollout_ref.actor.clip_ratoi=0.1")
+    assert p.returncode == 2
+    assert "actor_rollout_ref.actor.clip_ratoi" in p.stderr
+    assert "did you mean 'actor_rollout_ref.actor.clip_ratio'" in p.stderr
+
+
+def test_several_problems_reported_together():
+    p = run("--dry-run", "actor_rollout_ref.actor.clip_ratio_c=0.5", "trainer.save_freq=0", "data.seed=x",
+            "data.bogus=1")
+    assert p.returncode == 2
+    for frag in ("clip_ratio_c", "trainer.save_freq", "data.seed", "data.bogus", "4 configuration errors"):
+        assert frag in p.stderr, p.stderr
+
+
+def test_real_start_checks_paths_and_world_size(tmp_path):
+    p = run()
+    assert p.returncode == 2
+    assert "data.train_files: file not found" in p.stderr
+    assert "actor_rollout_ref.model.path: model directory not found" in p.stderr
+    import os
+    env = dict(os.environ, WORLD_SIZE="5", RANK="0")
+    p = run(env=env)
+    assert "WORLD_SIZE=5" in p.stderr
