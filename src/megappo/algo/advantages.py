@@ -96,8 +96,8 @@ def _suffix_scan(x: torch.Tensor, decay: float, chunk: int = 32) -> torch.Tensor
     K = torch.where(e2 >= 0, (decay ** C) ** e2.clamp(min=0), torch.zeros((), dtype=torch.float64, device=dev))
     carry_in = torch.matmul(y_local[:, :, 0], K.t().to(dt))     # (B, nb)
     tail = (decay ** (C - i).to(torch.float64)).to(dt)          # decay^(C - t)
-    y = torch.baddbmm(y_local, carry_in[:, :, None], tail.expand(B, 1, C))
-    return y.reshape(B, nb * C)[:, :T]
+    y_local.baddbmm_(carry_in[:, :, None], tail.expand(B, 1, C))
+    return y_local.reshape(B, nb * C)[:, :T]
 
 
 class _Compaction:
@@ -143,11 +143,12 @@ def gae(token_level_rewards, values, response_mask, gamma: float, lam: float):
     dtype = torch.promote_types(values.dtype, token_level_rewards.dtype)
     c = _Compaction(response_mask, dtype)
     v = c.pack(values.to(dtype))
-    r = c.pack(token_level_rewards.to(dtype))
-    delta = r - v
+    delta = c.pack(token_level_rewards.to(dtype)).sub_(v)
     delta[:, :-1].add_(v[:, 1:], alpha=gamma)   # + gamma V_{j+1}; 0 past each row's last token
     adv = _suffix_scan(delta, gamma * lam)
-    return c.unpack(adv), c.unpack(adv + v)
+    del delta
+    # Fresh multi-MB buffers cost page faults on CPU (glibc returns them to the OS): reuse v's.
+    return c.unpack(adv), c.unpack(v.add_(adv))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count"]
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -29,6 +29,11 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def global_count(mask: torch.Tensor, group=None) -> torch.Tensor:
     """Number of unmasked elements over all ranks of ``group`` (float64 scalar)."""
     return _all_reduce(mask.to(torch.float64).sum().reshape(1), group)[0]
+
+
+def global_seq_count(mask: torch.Tensor, group=None) -> torch.Tensor:
+    """Number of sequences (rows of ``mask``) with at least one unmasked token, over all ranks."""
+    return _all_reduce((mask.sum(-1) > 0).to(torch.float64).sum().reshape(1), group)[0]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None, group=None) -> torch.Tensor:

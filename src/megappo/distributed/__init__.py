@@ -1,0 +1,8 @@
+"""Parallel-aware pieces: vocabulary-parallel log-prob/entropy (TP). DP-global statistics live
+with the math in :mod:`megappo.algo` (their ``group=``/``dp_group=`` arguments).
+
+Process groups are always arguments; nothing here reads megatron's global parallel state.
+"""
+from .vocab_parallel import entropy_from_vocab_parallel_logits, log_probs_from_logits, log_probs_reference
+
+__all__ = ["log_probs_from_logits", "entropy_from_vocab_parallel_logits", "log_probs_reference"]

@@ -1,0 +1,146 @@
+"""DP- and TP-aware forms of the RL kernels equal the single-process computation (gloo, 2-4 ranks)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megappo import algo
+from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, log_probs_reference
+
+from harness import spawn
+
+pytestmark = pytest.mark.distributed
+DT = torch.float64
+
+
+# ------------------------------------------------------------------------------------------
+# TP: vocabulary-parallel log-probs and entropy
+# ------------------------------------------------------------------------------------------
+
+def _vocab_parallel_worker(rank, world, vocab, padded):
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 7, padded, generator=g, dtype=DT) * 3
+    labels = torch.randint(0, vocab, (3, 7), generator=g)
+    grad_lp = torch.randn(3, 7, generator=g, dtype=DT)
+    grad_h = torch.randn(3, 7, generator=g, dtype=DT)
+    v_local = padded // world
+
+    # reference: the full vocabulary on one device, naive log_softmax
+    ref_in = full.clone().requires_grad_(True)
+    ref_lp = log_probs_reference(ref_in, labels, vocab)
+    ref_h = algo.entropy_from_logits(ref_in[..., :vocab])
+    ref_g, = torch.autograd.grad((ref_lp * grad_lp).sum() + (ref_h * grad_h).sum(), ref_in)
+
+    shard = full[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+    lp = log_probs_from_logits(shard, labels, dist.group.WORLD, vocab_size=vocab)
+    h = entropy_from_vocab_parallel_logits(shard, dist.group.WORLD, vocab_size=vocab)
+    g_shard, = torch.autograd.grad((lp * grad_lp).sum() + (h * grad_h).sum(), shard)
+
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
+    torch.testing.assert_close(g_shard, ref_g[..., rank * v_local:(rank + 1) * v_local], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("world, vocab, padded", [(2, 50, 50), (2, 45, 48), (4, 61, 64)])
+def test_vocab_parallel_log_probs_and_entropy(world, vocab, padded):
+    spawn(_vocab_parallel_worker, world, vocab, padded)
+
+
+# ------------------------------------------------------------------------------------------
+# DP: statistics and every estimator, the batch split unevenly, groups spread over ranks
+# ------------------------------------------------------------------------------------------
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    B, L = 18, 12
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    lengths[4] = 0
+    mask = (torch.arange(L)[None, :] < lengths[:, None]).to(DT)
+    mask[torch.rand(B, L, generator=g) < 0.15] = 0
+    r = torch.randn(B, L, generator=g, dtype=DT) * mask
+    v = torch.randn(B, L, generator=g, dtype=DT)
+    gid = torch.tensor([0, 1, 2, 0, 3, 1, 2, 4, 5, 0, 1, 5, 2, 3, 6, 6, 4, 0])  # sizes 4,3,3,2,2,2,2
+    base = torch.randn(B, generator=g, dtype=DT)
+    return r, v, mask, gid, base
+
+
+def _dp_worker(rank, world, splits):
+    r, v, m, gid, base = _batch()
+    bounds = [0]
+    for n in splits:
+        bounds.append(bounds[-1] + n)
+    sl = slice(bounds[rank], bounds[rank + 1])
+    grp = dist.group.WORLD
+    # statistics
+    torch.testing.assert_close(algo.masked_mean(r[sl], m[sl], group=grp), algo.masked_mean(r, m), atol=1e-12, rtol=0)
+    torch.testing.assert_close(algo.masked_var(r[sl], m[sl], group=grp), algo.masked_var(r, m), atol=1e-12, rtol=0)
+    torch.testing.assert_close(algo.masked_whiten(r[sl], m[sl], group=grp), algo.masked_whiten(r, m)[sl],
+                               atol=1e-12, rtol=0)
+    assert algo.global_count(m[sl], grp).item() == m.sum().item()
+    assert algo.global_seq_count(m[sl], grp).item() == (m.sum(-1) > 0).sum().item()
+    # every estimator
+    for name in algo.list_estimators():
+        if name.startswith("test_only"):
+            continue
+        kw = dict(gamma=0.95, lam=0.9, norm_adv_by_std_in_grpo=True)
+        full_a, full_r = algo.compute_advantages(name, token_level_rewards=r, response_mask=m, values=v,
+                                                 group_index=gid, baseline_scores=base, **kw)
+        a, ret = algo.compute_advantages(name, token_level_rewards=r[sl], response_mask=m[sl], values=v[sl],
+                                         group_index=gid[sl], baseline_scores=base[sl], dp_group=grp, **kw)
+        torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(ret, full_r[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
+    # KL in reward: the batch KL and the controller update are global
+    g = torch.Generator().manual_seed(3)  # same on every rank
+    logp, ref = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)
+    c_full, c_dp = algo.AdaptiveKLController(0.1, 0.01, 20), algo.AdaptiveKLController(0.1, 0.01, 20)
+    _, m_full = algo.apply_kl_in_reward(r, logp, ref, m, c_full, "k3")
+    _, m_dp = algo.apply_kl_in_reward(r[sl], logp[sl], ref[sl], m[sl], c_dp, "k3", dp_group=grp)
+    assert m_dp["actor/reward_kl_penalty"] == pytest.approx(m_full["actor/reward_kl_penalty"], abs=1e-12)
+    assert c_dp.value == pytest.approx(c_full.value, rel=1e-12)
+
+
+@pytest.mark.parametrize("world, splits", [(2, (9, 9)), (2, (5, 13)), (4, (4, 6, 1, 7)), (4, (0, 10, 3, 5))])
+def test_dp_statistics_and_estimators_match_single_process(world, splits):
+    spawn(_dp_worker, world, splits)
+
+
+# ------------------------------------------------------------------------------------------
+# DP x micro-batches: agg_loss with global normalisers gives the same gradient
+# ------------------------------------------------------------------------------------------
+
+def _loss_grad(w, x, m, mode, ranges, n_tok, n_seq):
+    """Sum over micro-batches of agg_loss with the mini-batch's global normalisers."""
+    total = torch.zeros((), dtype=DT)
+    for a, b in ranges:
+        logits = x[a:b] @ w                      # (b-a, L) per-token "loss"
+        total = total + algo.agg_loss(torch.tanh(logits), m[a:b], mode, global_tokens=n_tok, global_seqs=n_seq,
+                                      norm_factor=16)
+    g, = torch.autograd.grad(total, w)
+    return g
+
+
+def _agg_worker(rank, world, n_micro):
+    g = torch.Generator().manual_seed(2)
+    B, L, H = 12, 10, 5
+    x = torch.randn(B, L, H, generator=g, dtype=DT)
+    m = (torch.rand(B, L, generator=g) > 0.3).to(DT)
+    m[3] = 0
+    w0 = torch.randn(H, generator=g, dtype=DT)
+    for mode in algo.LOSS_AGG_MODES:
+        w = w0.clone().requires_grad_(True)
+        ref = _loss_grad(w, x, m, mode, [(0, B)], m.sum(), (m.sum(-1) > 0).sum())
+        # this rank's share (uneven), cut into n_micro micro-batches
+        cuts = [0, 5, B] if world == 2 else None
+        lo, hi = cuts[rank], cuts[rank + 1]
+        edges = torch.linspace(lo, hi, n_micro + 1).round().long().tolist()
+        ranges = list(zip(edges[:-1], edges[1:]))
+        n_tok = algo.global_count(m[lo:hi], dist.group.WORLD)
+        n_seq = algo.global_seq_count(m[lo:hi], dist.group.WORLD)
+        w = w0.clone().requires_grad_(True)
+        grad = _loss_grad(w, x, m, mode, ranges, n_tok, n_seq)
+        dist.all_reduce(grad)   # the DP reduction is a SUM with these normalisers
+        torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0, msg=lambda s: f"{mode}: {s}")
+
+
+@pytest.mark.parametrize("n_micro", [1, 3])
+def test_agg_loss_gradient_independent_of_dp_and_micro_batches(n_micro):
+    spawn(_agg_worker, 2, n_micro)

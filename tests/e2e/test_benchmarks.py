@@ -1,0 +1,22 @@
+"""Benchmarks keep running and keep their output contract (figures are printed, never asserted)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_kernels_benchmark_quick_ends_with_json():
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--quick"], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    figures = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("gae_speedup", "gae_max_rel_diff", "logprob_parallel_s", "logprob_naive_peak_rss_mib"):
+        assert key in figures
+    # correctness is asserted (speed is not): the fast paths agree with their references
+    assert figures["gae_max_rel_diff"] < 1e-5
+    assert figures["logprob_max_abs_diff"] < 1e-10
