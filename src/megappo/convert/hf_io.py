@@ -1,0 +1,233 @@
+"""Stream HF safetensors into megatron model chunks, and stream full HF-named tensors out of them.
+
+Loading reads, for each local parameter, only this rank's slice of each HF tensor it is made from
+(safetensors slices), so a rank holds at most its own shard plus the pieces being fused. All
+missing, unexpected and mis-shaped tensors are reported together, naming them, before any weight
+is copied.
+
+Exporting (:func:`iter_hf_tensors`) walks every parameter of the model in a fixed order on every
+rank: the owning pipeline stage all-gathers it over TP, broadcasts it over PP, and every rank
+yields the full HF-named tensors. The vLLM weight sync and the HF exporter both use it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
+from .parallel import layer_owner, tp_gather, tp_rows, to_global_name
+
+__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "Layout"]
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not match the model: names every missing, unexpected or mis-shaped tensor."""
+
+
+# Tensors some HF checkpoints carry that no megatron parameter corresponds to.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Layout:
+    """This rank's coordinates: TP and PP sizes/ranks, VPP size."""
+
+    def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
+                 tp_group=None, pp_group=None):
+        self.tp, self.tp_rank, self.pp, self.pp_rank, self.vpp = tp, tp_rank, pp, pp_rank, vpp
+        self.tp_group, self.pp_group = tp_group, pp_group
+
+    @classmethod
+    def from_megatron(cls) -> "Layout":
+        from megatron.core import parallel_state as ps
+
+        return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                   pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group())
+
+    def owner(self, pm: ParamMap, num_layers: int) -> int:
+        """Pipeline rank holding ``pm``."""
+        if pm.layer is not None:
+            return layer_owner(pm.layer, num_layers, self.pp, self.vpp)[0]
+        return 0 if pm.where == "first" else self.pp - 1
+
+
+class SafetensorsCheckpoint:
+    """A (possibly sharded) safetensors checkpoint folder: tensor names, shapes and sliced reads."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = os.path.expanduser(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        single = os.path.join(self.path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            weight_map = None
+        else:
+            raise WeightLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self._open = safe_open
+        self._files: dict = {}
+        self.file_of: dict[str, str] = {}
+        if weight_map is None:
+            for k in self._handle("model.safetensors").keys():
+                self.file_of[k] = "model.safetensors"
+        else:
+            self.file_of = dict(weight_map)
+
+    def _handle(self, fname: str):
+        if fname not in self._files:
+            p = os.path.join(self.path, fname)
+            if not os.path.isfile(p):
+                raise WeightLoadError(f"{self.path}: shard file {fname} listed in the index is missing")
+            self._files[fname] = self._open(p, framework="pt", device="cpu")
+        return self._files[fname]
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: Optional[int] = None, sl: Optional[slice] = None) -> torch.Tensor:
+        """The tensor, or only ``sl`` along ``dim`` (0 or 1) of it."""
+        s = self._handle(self.file_of[name]).get_slice(name)
+        if dim is None:
+            return s[:]
+        return s[sl] if dim == 0 else s[:, sl]
+
+
+def _check(ckpt: SafetensorsCheckpoint, maps: list[ParamMap], desc: ModelDesc) -> None:
+    have = ckpt.names()
+    expected: dict[str, tuple] = {}
+    for pm in maps:
+        expected.update(hf_shapes(pm, desc))
+    optional = {"score.weight"} if desc.value_head else set()
+    problems = []
+    missing = sorted(n for n in expected if n not in have and n not in optional)
+    if missing:
+        problems.append("missing tensors: " + ", ".join(missing))
+    ignorable = set()
+    if desc.tie_word_embeddings or desc.value_head:
+        ignorable.add("lm_head.weight")  # tied copy, or an LM head the critic does not use
+    extra = sorted(n for n in have - set(expected) - ignorable if not n.endswith(_IGNORABLE_SUFFIXES))
+    if extra:
+        problems.append("unexpected tensors: " + ", ".join(extra))
+    for n, shp in expected.items():
+        if n in have and ckpt.shape(n) != tuple(shp):
+            problems.append(f"{n}: shape {ckpt.shape(n)} in the checkpoint, the model expects {tuple(shp)}")
+    if problems:
+        raise WeightLoadError(f"{ckpt.path} does not match the {desc.arch} model: " + "; ".join(problems))
+
+
+def _read_shard(pm: ParamMap, read: Callable, desc: ModelDesc, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's piece of the megatron tensor, reading only the needed HF slices."""
+    if pm.partition_dim is None or size == 1:
+        return to_megatron(pm, {n: read(n) for n in pm.hf}, desc)
+    if pm.kind == "qkv":
+        g = desc.num_groups // size
+        per = desc.num_heads // desc.num_groups
+        d = desc.head_dim
+        q, k, v = pm.hf
+        parts = {q: read(q, 0, tp_rows(desc.num_heads * d, rank, size)),
+                 k: read(k, 0, tp_rows(desc.num_groups * d, rank, size)),
+                 v: read(v, 0, tp_rows(desc.num_groups * d, rank, size))}
+        assert parts[q].shape[0] == g * per * d
+        return to_megatron(pm, parts, desc, groups=g)
+    if pm.kind == "gate_up":
+        s = tp_rows(desc.ffn_hidden_size, rank, size)
+        return to_megatron(pm, {n: read(n, 0, s) for n in pm.hf}, desc)
+    if pm.kind == "vocab":
+        s = tp_rows(desc.padded_vocab_size, rank, size)
+        real = slice(min(s.start, desc.vocab_size), min(s.stop, desc.vocab_size))
+        rows = read(pm.hf[0], 0, real) if real.stop > real.start else None
+        if rows is None:
+            return torch.zeros(s.stop - s.start, desc.hidden_size)
+        return to_megatron(pm, {pm.hf[0]: rows}, desc, pad_rows=s.stop - s.start)
+    s = tp_rows(full_shape(pm, desc)[pm.partition_dim], rank, size)
+    return read(pm.hf[0], pm.partition_dim, s)
+
+
+def _local_params(chunks, desc: ModelDesc, layout: Layout) -> dict[str, torch.nn.Parameter]:
+    """Global megatron name -> this rank's parameter, over all its VPP chunks."""
+    out = {}
+    for vp, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            out[to_global_name(name, layout.pp_rank, vp, desc.num_layers, layout.pp, layout.vpp)] = p
+    return out
+
+
+def _maps_for(desc: ModelDesc, te: bool, local: dict) -> dict[str, ParamMap]:
+    maps = {pm.megatron: pm for pm in param_maps(desc, te)}
+    if desc.tie_word_embeddings and not desc.value_head and "output_layer.weight" in local:
+        # The last stage's copy of the tied embedding (pipeline parallel): loaded from the embedding.
+        maps["output_layer.weight"] = ParamMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab", 0,
+                                               where="last")
+    return maps
+
+
+def _te(chunks, te: Optional[bool]) -> bool:
+    return bool(te) if te is not None else any(getattr(c, "megappo_te_spec", False) for c in chunks)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, layout: Layout = None, te: Optional[bool] = None) -> None:
+    """Copy an HF safetensors checkpoint into this rank's megatron chunks (streamed, sliced).
+    ``te``: TransformerEngine parameter names (default: as the chunks were built)."""
+    layout = layout or Layout()
+    te = _te(chunks, te)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    _check(ckpt, param_maps(desc, te), desc)
+    local = _local_params(chunks, desc, layout)
+    maps = _maps_for(desc, te, local)
+    unknown = sorted(n for n in local if n not in maps)
+    if unknown:
+        raise WeightLoadError(f"model parameters with no HF counterpart: {', '.join(unknown)}")
+    have = ckpt.names()
+    for name, param in local.items():
+        pm = maps[name]
+        if not all(n in have for n in pm.hf):  # an optional tensor (the critic's head): keep its init
+            continue
+        shard = _read_shard(pm, ckpt.read, desc, layout.tp_rank, layout.tp)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise WeightLoadError(f"{name}: built a shard of shape {tuple(shard.shape)} for a parameter of shape "
+                                  f"{tuple(param.shape)}")
+        param.copy_(shard.to(param.dtype))
+
+
+@torch.no_grad()
+def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional[bool] = None,
+                    dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for every HF tensor of the model, on every rank.
+
+    Collective: every rank of the job must iterate it to the end, in step.
+    """
+    layout = layout or Layout()
+    te = _te(chunks, te)
+    local = _local_params(chunks, desc, layout)
+    any_param = next(iter(local.values()))
+    dt = any_param.dtype
+    for pm in param_maps(desc, te):
+        owner = layout.owner(pm, desc.num_layers)
+        shape = full_shape(pm, desc)
+        if owner == layout.pp_rank:
+            shard = local[pm.megatron].detach()
+            if pm.partition_dim is not None and layout.tp > 1:
+                pieces = [torch.empty_like(shard) for _ in range(layout.tp)]
+                dist.all_gather(pieces, shard.contiguous(), group=layout.tp_group)
+                full = tp_gather(pieces, pm)
+            else:
+                full = shard
+        else:
+            full = torch.empty(shape, dtype=dt, device=any_param.device)
+        if layout.pp > 1:
+            full = full.contiguous()
+            dist.broadcast(full, src=dist.get_global_rank(layout.pp_group, owner), group=layout.pp_group)
+        for name, t in to_hf(pm, full, desc).items():
+            yield name, (t if dtype is None else t.to(dtype))

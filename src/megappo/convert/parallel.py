@@ -1,0 +1,89 @@
+"""TP split/gather of megatron tensors and PP/VPP layer placement.
+
+TP: a tensor with ``partition_dim`` is cut into equal contiguous pieces along that dim, except
+``linear_fc1`` ([gate; up]) whose halves are cut separately so each rank holds [gate_r; up_r].
+PP: the decoder's layers are split evenly into ``pp * vpp`` chunks; chunk ``c = vp_stage * pp +
+pp_rank`` holds layers ``[c * n, (c + 1) * n)`` with ``n = num_layers / (pp * vpp)`` (megatron's
+interleaved assignment). Layer indices in a chunk's parameter names are chunk-local.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from .names import ParamMap
+
+__all__ = ["tp_shard", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
+           "to_local_name", "to_global_name"]
+
+
+def tp_rows(n: int, rank: int, size: int) -> slice:
+    if n % size:
+        raise ValueError(f"dimension of size {n} does not divide over {size} tensor-parallel ranks")
+    k = n // size
+    return slice(rank * k, (rank + 1) * k)
+
+
+def tp_shard(full: torch.Tensor, pm: ParamMap, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of a full megatron tensor."""
+    if pm.partition_dim is None or size == 1:
+        return full
+    if pm.kind == "gate_up":
+        gate, up = torch.chunk(full, 2, dim=0)
+        s = tp_rows(gate.shape[0], rank, size)
+        return torch.cat([gate[s], up[s]], dim=0)
+    s = tp_rows(full.shape[pm.partition_dim], rank, size)
+    return full[s] if pm.partition_dim == 0 else full[:, s]
+
+
+def tp_gather(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:
+    """Inverse of :func:`tp_shard` over all ranks' pieces (in rank order)."""
+    if pm.partition_dim is None or len(shards) == 1:
+        return shards[0]
+    if pm.kind == "gate_up":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=pm.partition_dim)
+
+
+def layers_per_chunk(num_layers: int, pp: int, vpp: Optional[int]) -> int:
+    chunks = pp * (vpp or 1)
+    if num_layers % chunks:
+        raise ValueError(f"num_hidden_layers ({num_layers}) must be divisible by pipeline_model_parallel_size x "
+                         f"virtual stages ({pp} x {vpp or 1} = {chunks})")
+    return num_layers // chunks
+
+
+def layer_owner(layer: int, num_layers: int, pp: int, vpp: Optional[int]) -> tuple[int, int, int]:
+    """Global layer index -> (pp_rank, vp_stage, chunk-local index)."""
+    n = layers_per_chunk(num_layers, pp, vpp)
+    chunk, local = divmod(layer, n)
+    vp_stage, pp_rank = divmod(chunk, pp)
+    return pp_rank, vp_stage, local
+
+
+def global_layer(pp_rank: int, vp_stage: int, local: int, num_layers: int, pp: int, vpp: Optional[int]) -> int:
+    n = layers_per_chunk(num_layers, pp, vpp)
+    return (vp_stage * pp + pp_rank) * n + local
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def to_local_name(name: str, num_layers: int, pp: int, vpp: Optional[int]) -> tuple[str, Optional[tuple[int, int]]]:
+    """Global megatron name -> (chunk-local name, (pp_rank, vp_stage) owning it or None if not a layer)."""
+    m = _LAYER.match(name)
+    if not m:
+        return name, None
+    pp_rank, vp_stage, local = layer_owner(int(m.group(1)), num_layers, pp, vpp)
+    return f"decoder.layers.{local}." + name[m.end():], (pp_rank, vp_stage)
+
+
+def to_global_name(name: str, pp_rank: int, vp_stage: int, num_layers: int, pp: int, vpp: Optional[int]) -> str:
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    g = global_layer(pp_rank, vp_stage, int(m.group(1)), num_layers, pp, vpp)
+    return f"decoder.layers.{g}." + name[m.end():]

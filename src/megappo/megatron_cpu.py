@@ -1,0 +1,129 @@
+"""Run megatron-core 0.16.1 on CPU (gloo): the whole adaptation, in one place.
+
+megatron-core has no CPU mode; it calls CUDA APIs in many places. ``install()`` is called once,
+first thing, when ``trainer.device=cpu``; nothing else in megappo knows about it, and on GPU it
+is never imported. Each piece is independent so tests can show it is needed (megatron fails
+without it) and that it works (megatron runs with it):
+
+- ``rng``:    model_parallel_cuda_manual_seed and the RNG tracker get/set the CUDA generator;
+              they are pointed at the CPU default generator (seeding cannot be skipped: weight
+              init and dropout fork the tracker's states).
+- ``device``: tensors created with ``device="cuda"`` / ``torch.cuda.current_device()`` (RoPE,
+              schedules, grad buffers, optimizer) are created on the CPU instead, by a global
+              ``TorchFunctionMode`` that rewrites CUDA devices, makes ``Tensor.cuda()`` the
+              identity and makes ``torch.cuda.current_device()`` answer 0.
+- ``backward``: a TorchFunctionMode is not active inside autograd's backward, where
+              sequence-parallel all-gathers allocate on ``current_device()``; autograd.Function
+              backward calls are wrapped to enter the same mode.
+- ``sync``:   ``torch.cuda.synchronize`` (pipeline p2p, dist_checkpointing's writer) is a no-op.
+- ``tensor_type``: the optimizer asserts parameters report ``torch.cuda.FloatTensor``; the mode
+              reports CPU tensors' type strings with the ``torch.cuda.`` prefix.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["PIECES", "install", "installed"]
+
+PIECES = ("rng", "device", "backward", "sync", "tensor_type")
+_installed: set[str] = set()
+
+
+def installed() -> frozenset:
+    return frozenset(_installed)
+
+
+def _cpu_device(d):
+    if isinstance(d, torch.device):
+        return torch.device("cpu") if d.type == "cuda" else d
+    if isinstance(d, str):
+        return "cpu" if d.startswith("cuda") else d
+    if isinstance(d, int) and not isinstance(d, bool):
+        return "cpu"  # an integer device is a CUDA ordinal
+    return d
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU for every torch call made while it is active."""
+
+    def __init__(self, devices: bool, tensor_type: bool):
+        super().__init__()
+        self.devices = devices
+        self.tensor_type = tensor_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and self.tensor_type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if not self.devices:
+            return func(*args, **kwargs)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cpu_device(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _install_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = torch.cuda.manual_seed
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+    # Forking the tracker now moves the CPU generator itself, which megatron reports as "CPU RNG
+    # state changed within GPU RNG context" on every fork: expected here, so silence it.
+    class _DropForkWarning(logging.Filter):
+        def filter(self, record):
+            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+    logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
+
+
+def _install_mode(devices: bool, tensor_type: bool) -> None:
+    if devices:
+        torch.cuda.current_device = lambda: 0
+    _CudaToCpu(devices, tensor_type).__enter__()  # global for this thread, for the life of the process
+
+
+def _install_backward() -> None:
+    BackwardCFunction = torch.autograd.function.BackwardCFunction
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with _CudaToCpu("device" in _installed, "tensor_type" in _installed):
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply
+
+
+def _install_sync() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def install(pieces=PIECES) -> None:
+    """Install the named pieces (all by default); installing twice is a no-op."""
+    unknown = set(pieces) - set(PIECES)
+    if unknown:
+        raise ValueError(f"unknown megatron_cpu pieces {sorted(unknown)}; known: {', '.join(PIECES)}")
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_cpu.install() is for CPU-only runs; this process sees a CUDA device "
+                           "(use trainer.device=cuda)")
+    todo = [p for p in PIECES if p in pieces and p not in _installed]
+    if "rng" in todo:
+        _install_rng()
+    if "device" in todo or "tensor_type" in todo:
+        _install_mode(devices="device" in todo, tensor_type="tensor_type" in todo)
+    if "backward" in todo:
+        _install_backward()
+    if "sync" in todo:
+        _install_sync()
+    _installed.update(todo)

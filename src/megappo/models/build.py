@@ -1,0 +1,74 @@
+"""Parallel state and model builders: actor/reference (GPTModel) and critic (value head)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .hf import HFModelInfo
+from .layers import ValueHead, layer_spec, te_available
+
+__all__ = ["initialize_parallel", "build_model", "parallel_ranks"]
+
+
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42) -> None:
+    """megatron's parallel state for TP x PP (x VPP); DP is what remains of the world. Seeds the
+    model-parallel RNGs. torch.distributed must already be initialised."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def parallel_ranks() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                vpp=ps.get_virtual_pipeline_model_parallel_world_size())
+
+
+def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: Optional[bool] = None,
+                seed: int = 42) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (a list of one without VPP).
+
+    ``value_head=True`` builds the critic: the same backbone, with a (1, hidden) head in place
+    of the vocabulary output layer on the last stage and no weight tying. Weights are not
+    initialised (load them, see megappo.convert.hf_io); the value head is (see ValueHead).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    desc = info.desc
+    if value_head != desc.value_head:
+        raise ValueError("build_model: value_head must match the description (describe(..., value_head=...))")
+    if use_te is None:
+        use_te = te_available()
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for i in range(vpp or 1):
+        vp_stage = i if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config, layer_spec(config, desc.qk_layernorm, use_te, vp_stage=vp_stage), vocab_size=desc.padded_vocab_size,
+            max_sequence_length=info.max_position_embeddings, pre_process=pre, post_process=post,
+            parallel_output=True, share_embeddings_and_output_weights=desc.tie_word_embeddings and not value_head,
+            position_embedding_type="rope", rotary_base=int(info.rope_theta), vp_stage=vp_stage)
+        # RoPE frequencies exactly as transformers computes them (llama3/linear scaling included).
+        rot = model.rotary_pos_emb
+        rot.inv_freq = info.inv_freq.to(device=rot.inv_freq.device, dtype=rot.inv_freq.dtype)
+        if value_head and post:
+            model.output_layer = ValueHead(config, seed)
+        model.megappo_te_spec = use_te  # parameter names follow the spec; hf_io reads this
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,134 @@
+"""HuggingFace config -> the numbers megappo builds and converts with, and megatron's TransformerConfig."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megappo.convert.names import ModelDesc
+
+__all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "describe", "load_hf_config",
+           "transformer_config", "padded_vocab_size"]
+
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """An HF model megappo cannot build (unsupported architecture/feature, or a layout that does not fit)."""
+
+
+@dataclass
+class HFModelInfo:
+    desc: ModelDesc
+    hf_config: object
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    inv_freq: torch.Tensor  # RoPE inverse frequencies exactly as transformers computes them
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    p = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        raise ModelConfigError(f"{path}: no config.json (expected a HuggingFace model folder)")
+    return AutoConfig.from_pretrained(p)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary so that each TP rank gets an equal, aligned slice."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _rope_inv_freq(hf_config, arch: str) -> tuple[torch.Tensor, float, str]:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and params:
+        # per-layer-type rope parameters (sliding/full attention models) are not supported
+        raise ModelConfigError(f"per-layer RoPE parameters are not supported: {params}")
+    rope_type = (params or {}).get("rope_type", "default")
+    if rope_type not in _ROPE_TYPES:
+        raise ModelConfigError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cls = {"qwen3": Qwen3RotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "llama": LlamaRotaryEmbedding}[arch]
+    rot = cls(hf_config)
+    if float(rot.attention_scaling) != 1.0:
+        raise ModelConfigError(f"RoPE type {rope_type!r} with attention scaling {rot.attention_scaling} is not supported")
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    return rot.inv_freq.detach().clone().float(), theta, rope_type
+
+
+def describe(hf_config, tp: int = 1, value_head: bool = False, vocab_divisible_by: int = 128) -> HFModelInfo:
+    """Check that megappo supports the model and the TP size; collect the numbers. Errors name them."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelConfigError(f"unsupported architecture {archs or getattr(hf_config, 'model_type', '?')}; "
+                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    c = hf_config
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    if getattr(c, "use_sliding_window", False):
+        raise ModelConfigError("use_sliding_window=True is not supported")
+    if arch == "llama" and getattr(c, "mlp_bias", False):
+        raise ModelConfigError("Llama with mlp_bias=True is not supported")
+    if arch in ("llama", "qwen3") and getattr(c, "attention_bias", False):
+        raise ModelConfigError(f"{archs[0]} with attention_bias=True (biased o_proj) is not supported")
+    heads, groups = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    problems = []
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", groups),
+                    ("intermediate_size", c.intermediate_size)):
+        if n % tp:
+            problems.append(f"{what} ({n}) is not divisible by tensor_model_parallel_size ({tp})")
+    if heads % groups:
+        problems.append(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
+    if problems:
+        raise ModelConfigError("; ".join(problems))
+    inv_freq, theta, _ = _rope_inv_freq(c, arch)
+    desc = ModelDesc(
+        arch=arch, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
+        num_heads=heads, num_groups=groups, head_dim=head_dim, vocab_size=c.vocab_size,
+        padded_vocab_size=padded_vocab_size(c.vocab_size, tp, vocab_divisible_by),
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=arch == "qwen2",
+        qk_layernorm=arch == "qwen3", value_head=value_head)
+    return HFModelInfo(desc=desc, hf_config=c, rms_norm_eps=float(c.rms_norm_eps),
+                       max_position_embeddings=int(c.max_position_embeddings), rope_theta=theta, inv_freq=inv_freq)
+
+
+def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+                       sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                       cpu: bool = False):
+    """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
+    parameters are initialised (``use_cpu_initialization``)."""
+    from megatron.core.transformer import TransformerConfig
+
+    d = info.desc
+    if d.num_layers % (pp * (vpp or 1)):
+        raise ModelConfigError(f"num_hidden_layers ({d.num_layers}) is not divisible by pipeline_model_parallel_size x "
+                               f"virtual stages ({pp} x {vpp or 1})")
+    return TransformerConfig(
+        num_layers=d.num_layers, hidden_size=d.hidden_size, ffn_hidden_size=d.ffn_hidden_size,
+        num_attention_heads=d.num_heads, num_query_groups=d.num_groups, kv_channels=d.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=info.rms_norm_eps, qk_layernorm=d.qk_layernorm,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=d.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=bool(sequence_parallel and tp > 1),
+        params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, use_cpu_initialization=cpu, perform_initialization=False,
+        # Pipeline stages exchange shapes per micro-batch (packed/dynamic batches vary in length);
+        # megatron checks the MoE dispatcher against it even for dense models.
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # Fused kernels come from apex/TransformerEngine; the unfused paths are exact and portable.
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )

@@ -1,0 +1,87 @@
+"""Layer specs: TransformerEngine's on GPU when TE is installed, megatron's local spec otherwise.
+
+The local spec's torch norm wrapper refuses sequence parallelism; :class:`RMSNorm` here computes
+exactly what HF's RMSNorm computes (in float32) and tags its weight ``sequence_parallel`` so
+megatron all-reduces its gradient over TP when SP is on.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["RMSNorm", "QKRMSNorm", "ValueHead", "te_available", "layer_spec"]
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class QKRMSNorm(RMSNorm):
+    """Per-head q/k norm: works on TP-split heads, not on sequence shards (megatron reduces
+    q_layernorm/k_layernorm grads over TP by name)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kw):
+        super().__init__(config, hidden_size, eps, **kw)
+        setattr(self.weight, "sequence_parallel", False)
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's scalar head, used in place of the output layer of a GPTModel.
+
+    Replicated on every TP rank (one output cannot be split); under sequence parallelism the
+    hidden states are gathered first. Init: N(0, 1/(hidden + 1)) from a generator seeded with
+    ``seed`` so every rank holds the same head.
+    """
+
+    def __init__(self, config, seed: int):
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = bool(config.sequence_parallel)
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float32) / (config.hidden_size + 1) ** 0.5
+        self.weight = torch.nn.Parameter(w.to(config.params_dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=None):
+    """Block spec for this stage: TE's layer spec, or the local spec with megappo's RMSNorm."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm))
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    if qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = QKRMSNorm
+        sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
