@@ -8,7 +8,8 @@ def hf_config(arch: str, **over):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "qwen3":  # q/k norm, explicit head_dim (>= 32, vLLM CPU's minimum)
         cfg = Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": False,
                              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, **over})

@@ -17,13 +17,17 @@ def free_port() -> int:
 
 def _entry(rank, world, port, fn, args):
     faulthandler.dump_traceback_later(240, exit=True)  # a hung collective kills the worker, not CI
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # what torchrun provides (vLLM's external launcher reads them)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world, *args)
-        dist.barrier()
+        if dist.is_initialized():  # a vLLM engine's shutdown may already have ended the world
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn, world: int, *args) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import spawn
+from mcore import SEQ, build, run_schedule, setup
 
 pytestmark = pytest.mark.distributed
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,7 +15,6 @@ sys.path.insert(0, TESTS)
 from tiny_models import VOCAB, save_tiny_model  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2", "llama")
-SEQ = 24
 
 
 @pytest.fixture(scope="module")
@@ -25,53 +25,13 @@ def model_dirs(tmp_path_factory):
     return str(root)
 
 
-def _setup(tp, pp, vpp=None):
-    from megappo import megatron_cpu
-
-    megatron_cpu.install()
-    from megappo.models import initialize_parallel
-
-    initialize_parallel(tp, pp, vpp, seed=7)
-
-
-def _build(path, tp, pp, vpp=None, value_head=False, sp=True):
-    from megappo.convert.hf_io import Layout, load_hf_weights
-    from megappo.models import build_model, describe, load_hf_config, transformer_config
-
-    info = describe(load_hf_config(path), tp=tp, value_head=value_head)
-    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=True)
-    chunks = build_model(info, cfg, value_head=value_head)
-    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
-    return info, cfg, chunks
-
-
 def _batches(dp_rank, n_micro=2, mbs=2):
     g = torch.Generator().manual_seed(100 + dp_rank)
     return [torch.randint(0, VOCAB, (mbs, SEQ), generator=g) for _ in range(n_micro)]
 
 
-def _run_schedule(chunks, cfg, batches, loss_from_output, forward_only=True):
-    """megatron's pipeline schedule over micro-batches; returns the last stage's collected dicts."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    for c in chunks:
-        c.config.finalize_model_grads_func = None
-    its = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-        out = model(ids, pos, attention_mask=None)
-        return out, lambda output: loss_from_output(output, ids)
-
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=its, model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=batches[0].shape[0],
-        forward_only=forward_only)
-
-
 def _logprob_worker(rank, world, tp, pp, vpp, dirs):
-    _setup(tp, pp, vpp)
+    setup(tp, pp, vpp)
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +40,7 @@ def _logprob_worker(rank, world, tp, pp, vpp, dirs):
     tp_group = ps.get_tensor_model_parallel_group()
     for arch in ARCHS:
         path = os.path.join(dirs, arch)
-        info, cfg, chunks = _build(path, tp, pp, vpp)
+        info, cfg, chunks = build(path, tp, pp, vpp)
         batches = _batches(ps.get_data_parallel_rank())
 
         def loss(output, ids):
@@ -88,7 +48,7 @@ def _logprob_worker(rank, world, tp, pp, vpp, dirs):
             return lp.sum() * 0.0, {"lp": lp.detach()}
 
         with torch.no_grad():
-            out = _run_schedule(chunks, cfg, batches, loss)
+            out = run_schedule(chunks, batches, loss)
         if ps.is_pipeline_last_stage():
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             for got, ids in zip(out, batches):
@@ -106,7 +66,7 @@ def test_actor_log_probs_equal_transformers(model_dirs, world, tp, pp, vpp):
 
 
 def _roundtrip_and_critic_worker(rank, world, dirs):
-    _setup(2, 2)
+    setup(2, 2)
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
@@ -115,7 +75,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
     # HF -> Megatron (TP2PP2) -> per-tensor generator -> HF: bit for bit, on every rank
     for arch in ARCHS:
         path = os.path.join(dirs, arch)
-        info, cfg, chunks = _build(path, 2, 2)
+        info, cfg, chunks = build(path, 2, 2)
         original = load_file(os.path.join(path, "model.safetensors"))
         seen = set()
         for name, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron()):
@@ -127,7 +87,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
 
     # Critic: values (B, S) and a gradient on every backbone parameter and the head
     path = os.path.join(dirs, "qwen3")
-    info, cfg, chunks = _build(path, 2, 2, value_head=True)
+    info, cfg, chunks = build(path, 2, 2, value_head=True)
     batches = _batches(0)
 
     def loss(output, ids):
@@ -135,7 +95,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
         values = output[..., 0]
         return (values.float() ** 2).mean(), {"values": values.detach()}
 
-    out = _run_schedule(chunks, cfg, batches, loss, forward_only=False)
+    out = run_schedule(chunks, batches, loss, forward_only=False)
     if ps.is_pipeline_last_stage():
         assert len(out) == len(batches) and out[0]["values"].shape == (2, SEQ)
         assert chunks[0].output_layer.weight.shape == (1, info.desc.hidden_size)

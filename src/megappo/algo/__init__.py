@@ -7,10 +7,11 @@ from .advantages import (EstimatorSpec, compute_advantages, discounted_returns, 
 from .kl import (AdaptiveKLController, FixedKLController, apply_kl_in_reward, kl_penalty, list_kl_kinds,
                  make_kl_controller)
 from .losses import LOSS_AGG_MODES, agg_loss, entropy_from_logits, list_loss_agg_modes, policy_loss, value_loss
-from .stats import global_count, global_seq_count, masked_mean, masked_sum, masked_var, masked_whiten
+from .stats import (global_count, global_seq_count, masked_mean, masked_sum, masked_var, masked_whiten,
+                    rollout_probs_diff)
 
 __all__ = [
-    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count",
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count", "rollout_probs_diff",
     "gae", "gae_reference", "discounted_returns", "discounted_returns_reference", "group_stats",
     "EstimatorSpec", "register_estimator", "get_estimator", "list_estimators", "compute_advantages",
     "kl_penalty", "list_kl_kinds", "FixedKLController", "AdaptiveKLController", "make_kl_controller",

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count",
+           "rollout_probs_diff"]
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -73,3 +74,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     if not shift_mean:
         out = out + mean
     return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict:
+    """Drift between the rollout engine and the trainer on the same tokens (verl's metrics):
+    d = |exp(rollout_logp) - exp(old_logp)| over response tokens -> max, mean, std (floats)."""
+    m = response_mask.bool()
+    d = (torch.exp(rollout_log_probs.double()) - torch.exp(old_log_prob.double())).abs()[m]
+    if d.numel() == 0:
+        return {"training/rollout_probs_diff_max": 0.0, "training/rollout_probs_diff_mean": 0.0,
+                "training/rollout_probs_diff_std": 0.0}
+    return {"training/rollout_probs_diff_max": d.max().item(), "training/rollout_probs_diff_mean": d.mean().item(),
+            "training/rollout_probs_diff_std": d.std(unbiased=False).item()}

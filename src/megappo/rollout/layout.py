@@ -1,0 +1,65 @@
+"""Rollout data layout: prompts split over rollout replicas (never splitting a prompt's samples),
+results gathered and handed to the training data-parallel layout."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .engine import RolloutOutput
+
+__all__ = ["rollout_replica", "prompt_slice", "gather_outputs", "rows_for_rank"]
+
+
+def rollout_replica(rank: int, world: int, rollout_tp: int) -> tuple[int, int]:
+    """(replica index, number of replicas): blocks of ``rollout_tp`` consecutive ranks form one
+    vLLM replica (the external-launcher layout with vLLM's own DP = 1)."""
+    if world % rollout_tp:
+        raise ValueError(f"world size {world} is not divisible by the rollout TP size {rollout_tp}")
+    return rank // rollout_tp, world // rollout_tp
+
+
+def prompt_slice(n_prompts: int, replica: int, n_replicas: int) -> slice:
+    """Contiguous prompts of one replica; the first ``n_prompts % n_replicas`` replicas get one more."""
+    base, extra = divmod(n_prompts, n_replicas)
+    start = replica * base + min(replica, extra)
+    return slice(start, start + base + (1 if replica < extra else 0))
+
+
+def _pad_to(t: torch.Tensor, T: int, value) -> torch.Tensor:
+    if t.shape[1] == T:
+        return t
+    return torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value)
+
+
+def concat(outs: list[RolloutOutput], offsets: list[int], pad_token_id: int) -> RolloutOutput:
+    T = max(o.responses.shape[1] for o in outs)
+    return RolloutOutput(
+        prompt_index=torch.cat([o.prompt_index + off for o, off in zip(outs, offsets)]),
+        responses=torch.cat([_pad_to(o.responses, T, pad_token_id) for o in outs]),
+        response_mask=torch.cat([_pad_to(o.response_mask, T, 0.0) for o in outs]),
+        rollout_log_probs=torch.cat([_pad_to(o.rollout_log_probs, T, 0.0) for o in outs]),
+        finish_reasons=[r for o in outs for r in o.finish_reasons])
+
+
+def gather_outputs(local: RolloutOutput, prompt_offset: int, rollout_tp: int, pad_token_id: int,
+                   group=None) -> RolloutOutput:
+    """Every rank receives all replicas' samples in global prompt order (one copy per replica:
+    the TP peers of a replica hold identical outputs)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return concat([local], [prompt_offset], pad_token_id)
+    world = dist.get_world_size(group)
+    objs = [None] * world
+    dist.all_gather_object(objs, (prompt_offset, local), group=group)
+    firsts = [objs[r] for r in range(0, world, rollout_tp)]
+    return concat([o for _, o in firsts], [off for off, _ in firsts], pad_token_id)
+
+
+def rows_for_rank(out: RolloutOutput, dp_rank: int, dp_size: int) -> RolloutOutput:
+    """The training DP rank's contiguous share of the samples."""
+    n = out.responses.shape[0]
+    if n % dp_size:
+        raise ValueError(f"{n} samples do not split evenly over {dp_size} data-parallel ranks")
+    k = n // dp_size
+    s = slice(dp_rank * k, (dp_rank + 1) * k)
+    return RolloutOutput(out.prompt_index[s], out.responses[s], out.response_mask[s], out.rollout_log_probs[s],
+                         out.finish_reasons[s])

