@@ -26,7 +26,8 @@ def _entry(rank, world, port, fn, args):
         if dist.is_initialized():  # a vLLM engine's shutdown may already have ended the world
             dist.barrier()
     finally:
-        if dist.is_initialized():
+        # vLLM destroys its own groups at exit and fails if the world is already gone: leave it then.
+        if dist.is_initialized() and "vllm" not in sys.modules:
             dist.destroy_process_group()
 
 

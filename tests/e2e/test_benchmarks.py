@@ -20,3 +20,13 @@ def test_kernels_benchmark_quick_ends_with_json():
     # correctness is asserted (speed is not): the fast paths agree with their references
     assert figures["gae_max_rel_diff"] < 1e-5
     assert figures["logprob_max_abs_diff"] < 1e-10
+
+
+@pytest.mark.e2e
+def test_rollout_benchmark_quick_ends_with_json():
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--quick"], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    figures = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("wrapper_vs_raw", "gen_vs_hf", "sync_s_tiny", "sync_s_100m", "sync_gbps_100m", "sync_vs_engine_reload"):
+        assert figures[key] > 0

@@ -171,7 +171,7 @@ class VLLMRollout:
         if self.weights_version == 0:
             raise RuntimeError("the rollout engine still holds vLLM's dummy weights: call sync_weights first")
         if self._sleeping:
-            self.wake_up()
+            raise RuntimeError("the rollout engine is asleep and its weights were dropped: call sync_weights first")
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         outs = self.llm.generate(prompts, self._sampling_params(sampling), use_tqdm=False)
         rows, lps, idx, reasons = [], [], [], []
@@ -198,7 +198,7 @@ class VLLMRollout:
         return RolloutOutput(torch.tensor(idx, dtype=torch.long), responses, mask, logp * mask, reasons)
 
     # -- weights ----------------------------------------------------------------------------
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> dict:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20) -> dict:
         """Load HF-named full tensors into the running engine in place, in whole-layer buckets;
         then reset the prefix cache. Returns timing figures."""
         if self._sleeping:
