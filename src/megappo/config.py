@@ -245,6 +245,12 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = _f(None, "Python file with your reward function (verl's custom_reward_function); null uses the built-in rewards by data_source.")
+    name: str = _f("compute_score", "Function in that file, called as fn(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}.")
+
+
+@dataclass
 class TrainerConfig:
     nnodes: int = _f(1, "Nodes in the job.")
     n_gpus_per_node: int = _f(8, "Ranks per node (GPUs; processes on CPU).")
@@ -272,6 +278,7 @@ class PPOConfig:
     actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig, "Policy: model, PPO actor, rollout, reference.")
     critic: CriticConfig = _sub(CriticConfig, "Value model.")
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "Advantages and KL.")
+    custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig, "A user reward function.")
     trainer: TrainerConfig = _sub(TrainerConfig, "Run control, layout of the job, checkpoints, logging.")
 
 
@@ -845,6 +852,9 @@ def validate(
         _check_model_path(cfg, "actor_rollout_ref.model.path", need)
         if critic_enabled(cfg) and cr.model.path != arr.model.path:
             _check_model_path(cfg, "critic.model.path", need)
+        crf = cfg.custom_reward_function.path
+        if crf:
+            need(Path(os.path.expanduser(crf)).is_file(), "custom_reward_function.path", f"file not found: {crf}")
         if tr.resume_mode == "resume_path" and tr.resume_from_path:
             need(Path(os.path.expanduser(tr.resume_from_path)).is_dir(), "trainer.resume_from_path",
                  f"checkpoint directory not found: {tr.resume_from_path}")

@@ -423,3 +423,9 @@ def test_parallel_config_validates(path):
     assert "megatron" in raw["actor_rollout_ref"]["actor"]
     lay = C.parallel_layout(cfg)
     assert lay.tp * lay.pp * lay.dp == world
+
+
+def test_custom_reward_function_path_checked_on_real_start(tmp_path):
+    err = fails([f"custom_reward_function.path={tmp_path}/nope.py"], check_paths=True)
+    assert "file not found" in dict(err.errors)["custom_reward_function.path"]
+    ok([f"custom_reward_function.path={tmp_path}/nope.py"])  # the dry run does not look

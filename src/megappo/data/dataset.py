@@ -1,0 +1,122 @@
+"""Prompt datasets in verl's parquet schema, tokenized with the model's chat template.
+
+Schema (one row per prompt): ``data_source`` (str), ``prompt`` (list of {role, content}),
+``ability`` (str, optional), ``reward_model`` ({style, ground_truth}), ``extra_info`` (optional).
+Every problem names the file, the row and the field.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["DataError", "PromptItem", "PromptDataset", "read_rows", "tokenize_prompt"]
+
+
+class DataError(ValueError):
+    """Bad prompt data: names the file, row and field."""
+
+
+@dataclass
+class PromptItem:
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+    ability: str = ""
+    origin: str = ""          # "file:row", for error messages
+    truncated: bool = False
+
+
+def read_rows(path: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    p = os.path.expanduser(path)
+    if not os.path.isfile(p):
+        raise DataError(f"{path}: file not found")
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # pyarrow raises several types for a non-parquet file
+        raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}: {e}") from None
+    if table.num_rows == 0:
+        raise DataError(f"{path}: the file has no rows")
+    return table.to_pylist()
+
+
+def _check_row(row: dict, where: str, prompt_key: str) -> None:
+    for key in ("data_source", prompt_key, "reward_model"):
+        if key not in row:
+            raise DataError(f"{where}: missing column '{key}' (verl schema: data_source, {prompt_key}, reward_model)")
+        if row[key] is None:
+            raise DataError(f"{where}: field '{key}' is null")
+    if not isinstance(row["data_source"], str):
+        raise DataError(f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}")
+    msgs = row[prompt_key]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: field '{prompt_key}' must be a non-empty list of chat messages, got {msgs!r:.80}")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: field '{prompt_key}[{j}]' must be {{'role': str, 'content': str}}, got {m!r:.80}")
+    rm = row["reward_model"]
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        raise DataError(f"{where}: field 'reward_model.ground_truth' is missing")
+
+
+def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return [int(i) for i in ids]
+
+
+class PromptDataset:
+    """All rows of the given files, in order, tokenized; overlong prompts filtered or truncated."""
+
+    def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
+                 filter_overlong_prompts: bool = False, truncation: str = "error"):
+        if truncation not in ("error", "left", "right", "middle"):
+            raise ValueError(f"data.truncation must be error, left, right or middle, got {truncation!r}")
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise DataError("no data files given")
+        self.items: list[PromptItem] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        for path in files:
+            for r, row in enumerate(read_rows(path)):
+                where = f"{path}, row {r}"
+                _check_row(row, where, prompt_key)
+                ids = tokenize_prompt(tokenizer, row[prompt_key])
+                truncated = False
+                if len(ids) > max_prompt_length:
+                    if filter_overlong_prompts:
+                        self.num_filtered += 1
+                        continue
+                    if truncation == "error":
+                        raise DataError(f"{where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length="
+                                        f"{max_prompt_length} (set data.filter_overlong_prompts=true or "
+                                        "data.truncation=left|right|middle)")
+                    ids = _truncate(ids, max_prompt_length, truncation)
+                    truncated = True
+                    self.num_truncated += 1
+                self.items.append(PromptItem(ids, row["data_source"], row["reward_model"]["ground_truth"],
+                                             row.get("extra_info") or {}, row.get("ability") or "", f"{path}:{r}",
+                                             truncated))
+        if not self.items:
+            raise DataError(f"{', '.join(files)}: no prompts left after filtering ({self.num_filtered} longer than "
+                            f"data.max_prompt_length={max_prompt_length})")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def _truncate(ids: list[int], n: int, how: str) -> list[int]:
+    if how == "left":
+        return ids[-n:]
+    if how == "right":
+        return ids[:n]
+    head = n // 2
+    return ids[:head] + ids[len(ids) - (n - head):]

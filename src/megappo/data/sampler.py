@@ -1,0 +1,52 @@
+"""Seeded, resumable order over a dataset: epochs of shuffled global batches; every rank computes
+the same order, and a rank's share of a batch is a contiguous slice."""
+from __future__ import annotations
+
+import random
+
+__all__ = ["PromptSampler", "dp_slice"]
+
+
+class PromptSampler:
+    def __init__(self, n_items: int, batch_size: int, *, shuffle: bool = True, seed: int = 1):
+        if batch_size > n_items:
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({n_items} prompts)")
+        self.n, self.batch_size, self.shuffle, self.seed = n_items, batch_size, shuffle, seed
+        self.epoch = 0
+        self.position = 0  # batches already taken in this epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.batch_size  # the last partial batch is dropped, as verl's loader does
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[int]:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        order = self._order(self.epoch)
+        start = self.position * self.batch_size
+        self.position += 1
+        return order[start:start + self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n,
+                "batch_size": self.batch_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "n", "batch_size", "shuffle"):
+            if state[key] != getattr(self, key if key != "n" else "n"):
+                raise ValueError(f"cannot resume the data order: {key} was {state[key]} and is now {getattr(self, key)}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def dp_slice(items: list, dp_rank: int, dp_size: int) -> list:
+    if len(items) % dp_size:
+        raise ValueError(f"{len(items)} items do not split evenly over {dp_size} data-parallel ranks")
+    k = len(items) // dp_size
+    return items[dp_rank * k:(dp_rank + 1) * k]

@@ -1,0 +1,109 @@
+"""Rule rewards keyed by ``data_source`` (verl's names), and users' own reward functions."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from typing import Callable, Optional
+
+from . import gsm8k, hendrycks_math, synthetic
+
+__all__ = ["RewardFunctionError", "register_reward", "get_reward_fn", "list_rewards", "load_custom_reward",
+           "score_batch"]
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed or returned something that is not a finite score; names the
+    function, the sample and its data_source."""
+
+
+_REGISTRY: dict[str, Callable] = {}
+
+
+def register_reward(*data_sources: str):
+    """Decorator: ``fn(solution_str, ground_truth, extra_info) -> float`` for these data sources."""
+    def deco(fn):
+        for ds in data_sources:
+            _REGISTRY[ds] = fn
+        return fn
+    return deco
+
+
+@register_reward("openai/gsm8k", "gsm8k")
+def _gsm8k(solution, ground_truth, extra_info=None):
+    return gsm8k.compute_score(solution, ground_truth, method="strict")
+
+
+@register_reward("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
+def _math(solution, ground_truth, extra_info=None):
+    return hendrycks_math.compute_score(solution, ground_truth)
+
+
+@register_reward(synthetic.ECHO_SOURCE)
+def _echo(solution, ground_truth, extra_info=None):
+    return synthetic.echo_score(solution, ground_truth)
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(data_source: str) -> Callable:
+    try:
+        return _REGISTRY[data_source]
+    except KeyError:
+        raise KeyError(f"no reward function for data_source {data_source!r}; built in: {', '.join(list_rewards())}; "
+                       "or set custom_reward_function.path") from None
+
+
+def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
+    """Load ``name`` from a Python file, as verl's custom_reward_function does. The function is
+    called as fn(data_source, solution_str, ground_truth, extra_info) and returns a float or a
+    dict with a "score" entry."""
+    p = os.path.expanduser(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"megappo_custom_reward_{abs(hash(p))}", p)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise RewardFunctionError(f"custom_reward_function.path: importing {path} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"custom_reward_function.name: {path} defines no function {name!r}")
+    params = inspect.signature(fn).parameters
+    if len(params) < 4 and not any(q.kind == q.VAR_POSITIONAL or q.kind == q.VAR_KEYWORD for q in params.values()):
+        raise RewardFunctionError(f"{path}:{name} must accept (data_source, solution_str, ground_truth, extra_info)")
+    fn.megappo_origin = f"{path}:{name}"
+    return fn
+
+
+def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None) -> list[float]:
+    """Score every sample; a failing or non-finite reward raises RewardFunctionError naming the
+    sample (verl's reward manager lets such errors stop the run; so do we, with a clear message)."""
+    import math
+
+    extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
+    out = []
+    for i, (ds, sol, gt, extra) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+        if custom is not None:
+            fn, where, args = custom, getattr(custom, "megappo_origin", custom.__name__), (ds, sol, gt, extra)
+        else:
+            fn, where, args = get_reward_fn(ds), f"built-in reward for {ds!r}", (sol, gt, extra)
+        try:
+            r = fn(*args)
+        except Exception as e:
+            raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+        if isinstance(r, dict):
+            if "score" not in r:
+                raise RewardFunctionError(f"{where} returned a dict without 'score' for sample {i} (data_source={ds!r})")
+            r = r["score"]
+        try:
+            r = float(r)
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"{where} returned {r!r} for sample {i} (data_source={ds!r}); expected a number") from None
+        if not math.isfinite(r):
+            raise RewardFunctionError(f"{where} returned {r} for sample {i} (data_source={ds!r}); rewards must be finite")
+        out.append(r)
+    return out

@@ -1,0 +1,97 @@
+"""Rule rewards (GSM8K strict/flexible, MATH boxed answers, synthetic echo) and custom functions."""
+import pytest
+
+from megappo.rewards import RewardFunctionError, get_reward_fn, load_custom_reward, score_batch
+from megappo.rewards import gsm8k, hendrycks_math, synthetic
+
+
+@pytest.mark.parametrize("text, strict, flexible", [
+    ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+    ("#### 1,234 dollars", "1234", "1234"),
+    ("first #### 5 then corrected #### 6", "6", "6"),
+    ("The answer is 42.", None, "42"),
+    ("no numbers here", None, None),
+    ("#### -3.5", "-3.5", "-3.5"),
+])
+def test_gsm8k_extraction(text, strict, flexible):
+    assert gsm8k.extract_answer(text, "strict") == strict
+    assert gsm8k.extract_answer(text, "flexible") == flexible
+
+
+def test_gsm8k_scores():
+    assert gsm8k.compute_score("... #### 72", "72") == 1.0
+    assert gsm8k.compute_score("... #### 71", "72") == 0.0
+    assert gsm8k.compute_score("... #### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("the answer is 72", "72") == 0.0                      # strict needs ####
+    assert gsm8k.compute_score("the answer is 72", "72", method="flexible") == 1.0
+    assert gsm8k.compute_score("#### 72.0", "72") == 1.0
+    assert gsm8k.compute_score("x" * 1000 + "#### 9", "9") == 1.0
+    assert gsm8k.compute_score("#### 9" + "x" * 1000, "9") == 0.0                     # only the last 300 chars
+    with pytest.raises(ValueError, match="method must be"):
+        gsm8k.compute_score("#### 1", "1", method="loose")
+
+
+@pytest.mark.parametrize("solution, truth, want", [
+    ("so the result is $\\boxed{\\frac{1}{2}}$.", "\\frac12", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{1/2}", "\\dfrac{1}{2}", 1.0),
+    ("\\boxed{x = 5}", "5", 1.0),
+    ("\\boxed{5^\\circ}", "5", 1.0),
+    ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "(3,\\frac{\\pi}{2})", 1.0),
+    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+    ("\\boxed{4}", "5", 0.0),
+    ("no box: 4", "4", 0.0),
+    ("\\boxed{\\sqrt2}", "\\sqrt{2}", 1.0),
+    ("\\fbox{7}", "The answer is $\\boxed{7}$.", 1.0),
+])
+def test_math_scores(solution, truth, want):
+    assert hendrycks_math.compute_score(solution, truth) == want
+
+
+def test_last_boxed_handles_nesting():
+    assert hendrycks_math.last_boxed("a \\boxed{\\frac{a}{b^{2}}} b") == "\\frac{a}{b^{2}}"
+    assert hendrycks_math.last_boxed("\\boxed{unclosed") is None
+
+
+def test_echo_task():
+    rows = synthetic.make_echo_rows(20, ["red", "blue", "green"], seed=1)
+    assert all(r["prompt"][0]["content"].split()[1] == r["reward_model"]["ground_truth"] for r in rows)
+    assert synthetic.echo_score("red blue", "red") == 1.0 and synthetic.echo_score("blue red", "red") == 0.0
+    assert synthetic.echo_score("", "red") == 0.0
+    assert rows == synthetic.make_echo_rows(20, ["red", "blue", "green"], seed=1)
+
+
+def test_registry_by_data_source():
+    assert score_batch(["openai/gsm8k", "lighteval/MATH", "synthetic/echo"],
+                       ["#### 3", "\\boxed{2}", "blue"], ["3", "3", "blue"]) == [1.0, 0.0, 1.0]
+    with pytest.raises(KeyError, match="no reward function for data_source 'my/data'; built in: .*gsm8k"):
+        get_reward_fn("my/data")
+
+
+def test_custom_reward_function(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'boom':\n        raise ValueError('cannot parse')\n"
+        "    if solution_str == 'nan':\n        return float('nan')\n"
+        "    return {'score': float(solution_str == ground_truth), 'acc': 1}\n"
+        "def two_args(a, b):\n    return 0\n")
+    fn = load_custom_reward(str(f))
+    assert score_batch(["d", "d"], ["a", "b"], ["a", "a"], custom=fn) == [1.0, 0.0]
+    with pytest.raises(RewardFunctionError) as ei:
+        score_batch(["d", "mine"], ["a", "boom"], ["a", "a"], custom=fn)
+    msg = str(ei.value)
+    assert str(f) in msg and "sample 1" in msg and "data_source='mine'" in msg and "cannot parse" in msg
+    with pytest.raises(RewardFunctionError, match="returned nan for sample 0 .*must be finite"):
+        score_batch(["d"], ["nan"], ["a"], custom=fn)
+    with pytest.raises(RewardFunctionError, match="defines no function 'missing'"):
+        load_custom_reward(str(f), "missing")
+    with pytest.raises(RewardFunctionError, match="must accept"):
+        load_custom_reward(str(f), "two_args")
+    with pytest.raises(FileNotFoundError, match="custom_reward_function.path: file not found"):
+        load_custom_reward(str(tmp_path / "nope.py"))
+    bad = tmp_path / "bad.py"
+    bad.write_text("def compute_score(:\n")
+    with pytest.raises(RewardFunctionError, match=f"importing {bad} failed: SyntaxError"):
+        load_custom_reward(str(bad))
