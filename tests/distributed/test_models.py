@@ -76,6 +76,15 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
     for arch in ARCHS:
         path = os.path.join(dirs, arch)
         info, cfg, chunks = build(path, 2, 2)
+        # megatron must know which parameters are TP-split (grad norm, checkpoints)
+        from megappo.convert import param_maps
+        split = {pm.megatron for pm in param_maps(info.desc) if pm.partition_dim is not None}
+        split.add("output_layer.weight")  # vocab-parallel, also as the tied copy on the last stage
+        for name, p in chunks[0].named_parameters():
+            g = name.split(".")
+            is_split = any(n.endswith(".".join(g[3:])) for n in split) if name.startswith("decoder.layers.") \
+                else name in split
+            assert bool(getattr(p, "tensor_model_parallel", False)) == is_split, name
         original = load_file(os.path.join(path, "model.safetensors"))
         seen = set()
         for name, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron()):

@@ -124,7 +124,12 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=bool(sequence_parallel and tp > 1),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16, use_cpu_initialization=cpu, perform_initialization=False,
+        fp16=params_dtype == torch.float16, use_cpu_initialization=cpu,
+        # megatron-core 0.16.1 marks tensor-parallel weights (tensor_model_parallel, partition_dim)
+        # only inside its weight-init functions: with perform_initialization=False the gradient
+        # norm treats every TP shard as a duplicate (wrong clipping) and checkpoints lose the
+        # layout. The random init is overwritten by the HF weights right after.
+        perform_initialization=True,
         # Pipeline stages exchange shapes per micro-batch (packed/dynamic batches vary in length);
         # megatron checks the MoE dispatcher against it even for dense models.
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",

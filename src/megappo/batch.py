@@ -1,0 +1,70 @@
+"""RolloutBatch: the one container the PPO step passes between stages.
+
+Sequences are stored right-padded and unshifted: row i is ``prompt_i + response_i + pad``, so the
+causal mask alone is exact (no token ever attends to padding that precedes it) and position ids
+are ``0..S-1``. Response-aligned tensors are ``(B, T)`` with ``T`` the longest response.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["RolloutBatch"]
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor                        # (B, S) long: prompt + response, right-padded
+    prompt_lengths: torch.Tensor                   # (B,) long
+    responses: torch.Tensor                        # (B, T) long, right-padded
+    response_mask: torch.Tensor                    # (B, T) float: 1 on response tokens (up to and incl. EOS)
+    prompt_index: Optional[torch.Tensor] = None    # (B,) long: group id (samples of one prompt share it)
+    old_log_prob: Optional[torch.Tensor] = None    # (B, T)
+    ref_log_prob: Optional[torch.Tensor] = None    # (B, T)
+    rollout_log_probs: Optional[torch.Tensor] = None  # (B, T)
+    values: Optional[torch.Tensor] = None          # (B, T)
+    token_level_scores: Optional[torch.Tensor] = None   # (B, T)
+    token_level_rewards: Optional[torch.Tensor] = None  # (B, T)
+    advantages: Optional[torch.Tensor] = None      # (B, T)
+    returns: Optional[torch.Tensor] = None         # (B, T)
+
+    @classmethod
+    def from_prompts_and_responses(cls, prompts: Sequence[Sequence[int]], responses: torch.Tensor,
+                                   response_mask: torch.Tensor, pad_token_id: int, **fields) -> "RolloutBatch":
+        """Build from per-sample prompt ids and the rollout's (B, T) responses and mask."""
+        lengths = response_mask.sum(-1).long()
+        p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        S = int((p_len + lengths).max())
+        ids = torch.full((len(prompts), S), pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+            n = int(lengths[i])
+            ids[i, len(p):len(p) + n] = responses[i, :n]
+        return cls(ids, p_len, responses, response_mask.float(), **fields)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_positions(self) -> torch.Tensor:
+        """(B, T) index into a sequence's next-token predictions: response token t of row i is
+        predicted at position prompt_len_i + t - 1."""
+        T = self.responses.shape[1]
+        return (self.prompt_lengths[:, None] + torch.arange(T)[None, :] - 1).clamp(
+            max=self.input_ids.shape[1] - 2)
+
+    def select(self, index) -> "RolloutBatch":
+        """Rows ``index`` (a slice, list or tensor) of every present field."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v[index] if isinstance(v, torch.Tensor) else v
+        return RolloutBatch(**out)
+
+    def split(self, size: int) -> list["RolloutBatch"]:
+        if len(self) % size:
+            raise ValueError(f"a batch of {len(self)} samples does not split into micro-batches of {size}")
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]

@@ -1,0 +1,234 @@
+"""Actor and Critic: forward-only and training passes through megatron's pipeline schedules.
+
+Loss normalisation: every micro-batch's loss uses the mini-batch's GLOBAL token/sequence counts
+(megappo.algo.agg_loss), so the micro-batch losses of all DP ranks add up to the mini-batch loss.
+megatron's schedule divides each micro-batch loss by the number of micro-batches and its DDP
+averages gradients over DP; the loss handed to backward is multiplied by both so that the
+gradient is exactly that of the mini-batch loss, whatever the split.
+
+Data-parallel layout: a rank's k-th mini-batch is its part of the global k-th mini-batch (the
+trainer deals samples out per mini-batch), as in verl.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo import algo
+from megappo.batch import RolloutBatch
+from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits
+
+__all__ = ["MegatronWorker", "Actor", "Critic"]
+
+
+def _pad_seq(ids: torch.Tensor, multiple: int, pad: int) -> torch.Tensor:
+    S = ids.shape[1]
+    target = -(-S // multiple) * multiple
+    return ids if target == S else torch.nn.functional.pad(ids, (0, target - S), value=pad)
+
+
+class MegatronWorker:
+    """Model chunks (one per VPP stage) + optional DDP and megatron optimizer."""
+
+    def __init__(self, chunks, config, *, lr: Optional[float] = None, weight_decay: float = 0.0,
+                 clip_grad: float = 1.0, betas=(0.9, 0.999), use_distributed_optimizer: bool = True,
+                 pad_token_id: int = 0, optimizer: str = "adam"):
+        from megatron.core import parallel_state as ps
+
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.dp = ps.get_data_parallel_world_size()
+        self.is_last = ps.is_pipeline_last_stage()
+        self.last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
+        self.optimizer = None
+        self.model = list(chunks)
+        if lr is not None:
+            from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                                   finalize_model_grads)
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                                    grad_reduce_in_fp32=True)
+            self.model = [DistributedDataParallel(config, ddp_cfg, c) for c in chunks]
+            config.finalize_model_grads_func = finalize_model_grads
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                                adam_beta1=betas[0], adam_beta2=betas[1], bf16=config.bf16, fp16=config.fp16,
+                                params_dtype=config.params_dtype, use_distributed_optimizer=use_distributed_optimizer),
+                self.model)
+        self.chunks = list(chunks)  # unwrapped modules, for weight export
+
+    # -- schedule ---------------------------------------------------------------------------
+    def _run(self, micro_batches: list[RolloutBatch], loss_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        pad = self.tp if self.config.sequence_parallel else 1
+        seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
+        data = list(zip(micro_batches, seqs))
+
+        def forward_step(data_iterator, model):
+            mb, ids = next(data_iterator)
+            pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+            out = model(ids, pos, attention_mask=None)
+            return out, partial(loss_fn, mb, ids)
+
+        its = [iter(data) for _ in self.model] if len(self.model) > 1 else iter(data)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=its,
+            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(data),
+            seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
+            forward_only=forward_only)
+
+    def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
+        """A tensor computed on the last pipeline stage, on every stage."""
+        if self.pp == 1:
+            return t
+        buf = t.contiguous() if self.is_last else torch.empty(shape, dtype=dtype)
+        dist.broadcast(buf, src=self.last_rank, group=self.pp_group)
+        return buf
+
+    def _global_sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        if self.is_last:
+            dist.all_reduce(t, group=self.dp_group)
+        return self._from_last_stage(t, (1,), torch.float64).item()
+
+    def _step(self) -> tuple[float, bool]:
+        ok, grad_norm, _ = self.optimizer.step()
+        return (float(grad_norm) if grad_norm is not None else 0.0), bool(ok)
+
+    def _zero_grad(self) -> None:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _response_gather(self, per_position: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+        """(B, S-1) next-token quantities -> (B, T) at the response tokens, 0 where masked."""
+        idx = mb.response_positions.clamp(max=per_position.shape[1] - 1)
+        return per_position.gather(1, idx) * mb.response_mask
+
+
+class Actor(MegatronWorker):
+    """Policy (or, without an optimizer, the frozen reference)."""
+
+    def __init__(self, chunks, config, *, vocab_size: int, **kw):
+        super().__init__(chunks, config, **kw)
+        self.vocab_size = vocab_size
+
+    def _log_probs(self, output, ids, mb, with_entropy: bool):
+        logits = output[:, :-1]
+        lp = self._response_gather(log_probs_from_logits(logits, ids[:, 1:], self.tp_group, self.vocab_size), mb)
+        ent = None
+        if with_entropy:
+            ent = self._response_gather(entropy_from_vocab_parallel_logits(logits, self.tp_group, self.vocab_size), mb)
+        return lp, ent
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+        """(B, T) log-probs of the response tokens under the current weights, on every rank."""
+        def loss_fn(mb, ids, output):
+            lp, _ = self._log_probs(output, ids, mb, with_entropy=False)
+            return lp.sum() * 0.0, {"lp": lp}
+
+        outs = self._run(batch.split(micro_batch_size), loss_fn, forward_only=True)
+        lp = torch.cat([o["lp"] for o in outs]) if self.is_last else None
+        return self._from_last_stage(lp, tuple(batch.responses.shape))
+
+    def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: int,
+                      ppo_epochs: int = 1, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                      clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0,
+                      use_kl_loss: bool = False, kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
+                      norm_factor: Optional[float] = None) -> dict:
+        """PPO epochs over this rank's mini-batches (``mini_batch_size`` samples per rank).
+        Returns per-mini-batch global losses and verl-named averages."""
+        history = {"pg_loss": [], "kl_loss": [], "entropy": [], "grad_norm": [], "pg_clipfrac": [], "ppo_kl": [],
+                   "pg_clipfrac_lower": []}
+        for _ in range(ppo_epochs):
+            for mini in batch.split(mini_batch_size):
+                n_tok = algo.global_count(mini.response_mask, self.dp_group)
+                n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
+                micros = mini.split(micro_batch_size)
+                scale = len(micros) * self.dp
+                norm = dict(global_tokens=n_tok, global_seqs=n_seq, norm_factor=norm_factor)
+
+                def loss_fn(mb, ids, output):
+                    lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
+                    pg, m = algo.policy_loss(mb.old_log_prob, lp, mb.advantages, mb.response_mask,
+                                             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                             clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **norm)
+                    ent_loss = algo.agg_loss(ent, mb.response_mask, loss_agg_mode, **norm)
+                    loss = pg - entropy_coeff * ent_loss
+                    kl = torch.zeros(())
+                    if use_kl_loss:
+                        kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, kl_loss_type), mb.response_mask,
+                                           loss_agg_mode, **norm)
+                        loss = loss + kl_loss_coef * kl
+                    share = mb.response_mask.sum() / n_tok  # this micro-batch's token share, for metrics
+                    return loss * scale, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
+                                          **{k: v * share for k, v in m.items()}}
+
+                self._zero_grad()
+                outs = self._run(micros, loss_fn, forward_only=False)
+                grad_norm, _ = self._step()
+                for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
+                    history[key].append(self._global_sum(local))
+                history["grad_norm"].append(grad_norm)
+        metrics = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if v}
+        metrics["actor/pg_loss_per_minibatch"] = history["pg_loss"]
+        return metrics
+
+
+class Critic(MegatronWorker):
+    """Value model: a GPTModel whose output layer is megappo.models.ValueHead."""
+
+    def _values(self, output, mb) -> torch.Tensor:
+        return self._response_gather(output[:, :-1, 0].float(), mb)
+
+    @torch.no_grad()
+    def compute_values(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+        def loss_fn(mb, ids, output):
+            v = self._values(output, mb)
+            return v.sum() * 0.0, {"v": v}
+
+        outs = self._run(batch.split(micro_batch_size), loss_fn, forward_only=True)
+        v = torch.cat([o["v"] for o in outs]) if self.is_last else None
+        return self._from_last_stage(v, tuple(batch.responses.shape))
+
+    def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: int,
+                      ppo_epochs: int = 1, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+                      norm_factor: Optional[float] = None) -> dict:
+        history = {"vf_loss": [], "vf_clipfrac": [], "grad_norm": []}
+        for _ in range(ppo_epochs):
+            for mini in batch.split(mini_batch_size):
+                n_tok = algo.global_count(mini.response_mask, self.dp_group)
+                n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
+                micros = mini.split(micro_batch_size)
+                scale = len(micros) * self.dp
+
+                def loss_fn(mb, ids, output):
+                    vpred = self._values(output, mb)
+                    loss, clipfrac = algo.value_loss(vpred, mb.returns, mb.values, mb.response_mask,
+                                                     cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
+                                                     global_tokens=n_tok, global_seqs=n_seq, norm_factor=norm_factor)
+                    share = mb.response_mask.sum() / n_tok
+                    return loss * scale, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac * share}
+
+                self._zero_grad()
+                outs = self._run(micros, loss_fn, forward_only=False)
+                grad_norm, _ = self._step()
+                for key in ("vf_loss", "vf_clipfrac"):
+                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
+                    history[key].append(self._global_sum(local))
+                history["grad_norm"].append(grad_norm)
+        metrics = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if v}
+        metrics["critic/vf_loss_per_minibatch"] = history["vf_loss"]
+        return metrics
