@@ -40,7 +40,7 @@ def _rows_for(rank_dp, dp):
     return [j * M + rank_dp * per + k for j in range(B // M) for k in range(per)]
 
 
-def _worker(rank, world, tp, pp, micro, dirs, out_file):
+def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None):
     setup(tp, pp)
     from megatron.core import parallel_state as ps
 
@@ -56,12 +56,13 @@ def _worker(rank, world, tp, pp, micro, dirs, out_file):
     critic = Critic(cchunks, ccfg, lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch = _global_batch().select(_rows_for(dp_rank, dp))
-    batch.old_log_prob = actor.compute_log_prob(batch, micro)
-    batch.values = critic.compute_values(batch, micro)
-    a = actor.update_policy(batch, mini_batch_size=M // dp, micro_batch_size=micro, ppo_epochs=2,
-                            entropy_coeff=0.01, loss_agg_mode="token-mean")
-    c = critic.update_critic(batch, mini_batch_size=M // dp, micro_batch_size=micro, ppo_epochs=2)
-    after = actor.compute_log_prob(batch, micro)
+    mb = dict(micro_batch_size=None if max_tokens else micro, max_token_len=max_tokens)
+    batch.old_log_prob = actor.compute_log_prob(batch, **mb)
+    batch.values = critic.compute_values(batch, **mb)
+    a = actor.update_policy(batch, mini_batch_size=M // dp, ppo_epochs=2, entropy_coeff=0.01,
+                            loss_agg_mode="token-mean", **mb)
+    c = critic.update_critic(batch, mini_batch_size=M // dp, ppo_epochs=2, **mb)
+    after = actor.compute_log_prob(batch, **mb)
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump({"pg": a["actor/pg_loss_per_minibatch"], "vf": c["critic/vf_loss_per_minibatch"],
@@ -84,10 +85,12 @@ def reference(model_dir, tmp_path_factory):
         return json.load(f)
 
 
-@pytest.mark.parametrize("world, tp, pp, micro", [(4, 2, 2, 1), (2, 1, 1, 1), (2, 2, 1, 2), (2, 1, 2, 2)], ids=["TP2PP2", "DP2", "TP2", "PP2"])
-def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro):
+@pytest.mark.parametrize("world, tp, pp, micro, max_tokens", [
+    (4, 2, 2, 1, None), (2, 1, 1, 1, None), (2, 2, 1, 2, None), (2, 1, 2, 2, None), (2, 1, 1, None, 40),
+], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget"])
+def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens):
     out = str(tmp_path / "r.json")
-    spawn(_worker, world, tp, pp, micro, model_dir, out)
+    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens)
     with open(out) as f:
         got = json.load(f)
     assert len(got["pg"]) == len(reference["pg"]) == 4          # 2 mini-batches x 2 epochs

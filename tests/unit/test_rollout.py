@@ -201,3 +201,4 @@ def test_tied_embeddings_sync(tmp_path):
         check_matches(eng, model, [[5, 6, 7, 8, 9], list(range(10, 60))])
     finally:
         eng.shutdown()
+

@@ -21,6 +21,8 @@ from megappo import algo
 from megappo.batch import RolloutBatch
 from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits
 
+from .batching import micro_batch_groups
+
 __all__ = ["MegatronWorker", "Actor", "Critic"]
 
 
@@ -87,6 +89,22 @@ class MegatronWorker:
             seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only)
 
+    @staticmethod
+    def _micro(batch: RolloutBatch, micro_batch_size, max_token_len) -> tuple[list[RolloutBatch], list[int]]:
+        """Micro-batches and the order of their concatenated rows in ``batch``."""
+        lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
+        groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
+        return [batch.select(g) for g in groups], [i for g in groups for i in g]
+
+    def _gather_rows(self, outs, key, order, shape) -> torch.Tensor:
+        """Concatenate per-micro-batch outputs (last stage) back into batch order, on every stage."""
+        t = None
+        if self.is_last:
+            cat = torch.cat([o[key] for o in outs])
+            t = torch.empty_like(cat)
+            t[torch.tensor(order)] = cat
+        return self._from_last_stage(t, shape)
+
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
         """A tensor computed on the last pipeline stage, on every stage."""
         if self.pp == 1:
@@ -132,17 +150,20 @@ class Actor(MegatronWorker):
         return lp, ent
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
-        """(B, T) log-probs of the response tokens under the current weights, on every rank."""
+    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
+                         max_token_len: Optional[int] = None) -> torch.Tensor:
+        """(B, T) log-probs of the response tokens under the current weights, on every rank.
+        Micro-batches: ``micro_batch_size`` samples, or a ``max_token_len`` budget."""
         def loss_fn(mb, ids, output):
             lp, _ = self._log_probs(output, ids, mb, with_entropy=False)
             return lp.sum() * 0.0, {"lp": lp}
 
-        outs = self._run(batch.split(micro_batch_size), loss_fn, forward_only=True)
-        lp = torch.cat([o["lp"] for o in outs]) if self.is_last else None
-        return self._from_last_stage(lp, tuple(batch.responses.shape))
+        micros, order = self._micro(batch, micro_batch_size, max_token_len)
+        outs = self._run(micros, loss_fn, forward_only=True)
+        return self._gather_rows(outs, "lp", order, tuple(batch.responses.shape))
 
-    def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: int,
+    def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
+                      max_token_len: Optional[int] = None,
                       ppo_epochs: int = 1, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                       clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0,
                       use_kl_loss: bool = False, kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
@@ -155,8 +176,8 @@ class Actor(MegatronWorker):
             for mini in batch.split(mini_batch_size):
                 n_tok = algo.global_count(mini.response_mask, self.dp_group)
                 n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
-                micros = mini.split(micro_batch_size)
-                scale = len(micros) * self.dp
+                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
+                scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
                 norm = dict(global_tokens=n_tok, global_seqs=n_seq, norm_factor=norm_factor)
 
                 def loss_fn(mb, ids, output):
@@ -194,16 +215,18 @@ class Critic(MegatronWorker):
         return self._response_gather(output[:, :-1, 0].float(), mb)
 
     @torch.no_grad()
-    def compute_values(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
+                       max_token_len: Optional[int] = None) -> torch.Tensor:
         def loss_fn(mb, ids, output):
             v = self._values(output, mb)
             return v.sum() * 0.0, {"v": v}
 
-        outs = self._run(batch.split(micro_batch_size), loss_fn, forward_only=True)
-        v = torch.cat([o["v"] for o in outs]) if self.is_last else None
-        return self._from_last_stage(v, tuple(batch.responses.shape))
+        micros, order = self._micro(batch, micro_batch_size, max_token_len)
+        outs = self._run(micros, loss_fn, forward_only=True)
+        return self._gather_rows(outs, "v", order, tuple(batch.responses.shape))
 
-    def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: int,
+    def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
+                      max_token_len: Optional[int] = None,
                       ppo_epochs: int = 1, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                       norm_factor: Optional[float] = None) -> dict:
         history = {"vf_loss": [], "vf_clipfrac": [], "grad_norm": []}
@@ -211,7 +234,7 @@ class Critic(MegatronWorker):
             for mini in batch.split(mini_batch_size):
                 n_tok = algo.global_count(mini.response_mask, self.dp_group)
                 n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
-                micros = mini.split(micro_batch_size)
+                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
                 scale = len(micros) * self.dp
 
                 def loss_fn(mb, ids, output):
