@@ -26,6 +26,11 @@ from .batching import micro_batch_groups
 __all__ = ["MegatronWorker", "Actor", "Critic"]
 
 
+def _scaled(result, scale: float):
+    loss, metrics = result
+    return loss * scale, metrics
+
+
 def _pad_seq(ids: torch.Tensor, multiple: int, pad: int) -> torch.Tensor:
     S = ids.shape[1]
     target = -(-S // multiple) * multiple
@@ -105,6 +110,42 @@ class MegatronWorker:
             t[torch.tensor(order)] = cat
         return self._from_last_stage(t, shape)
 
+    @torch.no_grad()
+    def _forward(self, batch: RolloutBatch, micro_batch_size, max_token_len, per_sample) -> torch.Tensor:
+        """(B, T) ``per_sample(output, ids, mb)`` for every sample, in batch order, on every rank."""
+        def loss_fn(mb, ids, output):
+            out = per_sample(output, ids, mb)
+            return out.sum() * 0.0, {"out": out}
+
+        micros, order = self._micro(batch, micro_batch_size, max_token_len)
+        outs = self._run(micros, loss_fn, forward_only=True)
+        return self._gather_rows(outs, "out", order, tuple(batch.responses.shape))
+
+    def _train(self, batch: RolloutBatch, *, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs,
+               make_loss, keys) -> dict[str, list]:
+        """``ppo_epochs`` x this rank's mini-batches, one optimizer step each.
+
+        ``make_loss(norm)`` returns the micro-batch loss function given the mini-batch's global
+        normalisers; its metric dict holds micro-batch parts that add up (over micro-batches and
+        DP ranks) to the mini-batch value of each of ``keys``."""
+        history = {k: [] for k in (*keys, "grad_norm")}
+        for _ in range(ppo_epochs):
+            for mini in batch.split(mini_batch_size):
+                norm = dict(global_tokens=algo.global_count(mini.response_mask, self.dp_group),
+                            global_seqs=algo.global_seq_count(mini.response_mask, self.dp_group))
+                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
+                scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
+                loss_fn = make_loss(norm)
+                self._zero_grad()
+                outs = self._run(micros, lambda mb, ids, output: _scaled(loss_fn(mb, ids, output), scale),
+                                 forward_only=False)
+                grad_norm, _ = self._step()
+                for key in keys:
+                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
+                    history[key].append(self._global_sum(local))
+                history["grad_norm"].append(grad_norm)
+        return history
+
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
         """A tensor computed on the last pipeline stage, on every stage."""
         if self.pp == 1:
@@ -149,18 +190,12 @@ class Actor(MegatronWorker):
             ent = self._response_gather(entropy_from_vocab_parallel_logits(logits, self.tp_group, self.vocab_size), mb)
         return lp, ent
 
-    @torch.no_grad()
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                          max_token_len: Optional[int] = None) -> torch.Tensor:
         """(B, T) log-probs of the response tokens under the current weights, on every rank.
         Micro-batches: ``micro_batch_size`` samples, or a ``max_token_len`` budget."""
-        def loss_fn(mb, ids, output):
-            lp, _ = self._log_probs(output, ids, mb, with_entropy=False)
-            return lp.sum() * 0.0, {"lp": lp}
-
-        micros, order = self._micro(batch, micro_batch_size, max_token_len)
-        outs = self._run(micros, loss_fn, forward_only=True)
-        return self._gather_rows(outs, "lp", order, tuple(batch.responses.shape))
+        return self._forward(batch, micro_batch_size, max_token_len,
+                             lambda output, ids, mb: self._log_probs(output, ids, mb, with_entropy=False)[0])
 
     def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None,
@@ -170,39 +205,29 @@ class Actor(MegatronWorker):
                       norm_factor: Optional[float] = None) -> dict:
         """PPO epochs over this rank's mini-batches (``mini_batch_size`` samples per rank).
         Returns per-mini-batch global losses and verl-named averages."""
-        history = {"pg_loss": [], "kl_loss": [], "entropy": [], "grad_norm": [], "pg_clipfrac": [], "ppo_kl": [],
-                   "pg_clipfrac_lower": []}
-        for _ in range(ppo_epochs):
-            for mini in batch.split(mini_batch_size):
-                n_tok = algo.global_count(mini.response_mask, self.dp_group)
-                n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
-                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
-                scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
-                norm = dict(global_tokens=n_tok, global_seqs=n_seq, norm_factor=norm_factor)
+        def make_loss(norm):
+            norm = dict(norm, norm_factor=norm_factor)
 
-                def loss_fn(mb, ids, output):
-                    lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
-                    pg, m = algo.policy_loss(mb.old_log_prob, lp, mb.advantages, mb.response_mask,
-                                             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                             clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **norm)
-                    ent_loss = algo.agg_loss(ent, mb.response_mask, loss_agg_mode, **norm)
-                    loss = pg - entropy_coeff * ent_loss
-                    kl = torch.zeros(())
-                    if use_kl_loss:
-                        kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, kl_loss_type), mb.response_mask,
-                                           loss_agg_mode, **norm)
-                        loss = loss + kl_loss_coef * kl
-                    share = mb.response_mask.sum() / n_tok  # this micro-batch's token share, for metrics
-                    return loss * scale, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
-                                          **{k: v * share for k, v in m.items()}}
+            def loss_fn(mb, ids, output):
+                lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
+                pg, m = algo.policy_loss(mb.old_log_prob, lp, mb.advantages, mb.response_mask,
+                                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                         clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **norm)
+                ent_loss = algo.agg_loss(ent, mb.response_mask, loss_agg_mode, **norm)
+                loss = pg - entropy_coeff * ent_loss
+                kl = torch.zeros(())
+                if use_kl_loss:
+                    kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, kl_loss_type), mb.response_mask,
+                                       loss_agg_mode, **norm)
+                    loss = loss + kl_loss_coef * kl
+                share = mb.response_mask.sum() / norm["global_tokens"]  # token share, for token-mean metrics
+                return loss, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
+                              **{k: v * share for k, v in m.items()}}
+            return loss_fn
 
-                self._zero_grad()
-                outs = self._run(micros, loss_fn, forward_only=False)
-                grad_norm, _ = self._step()
-                for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
-                    history[key].append(self._global_sum(local))
-                history["grad_norm"].append(grad_norm)
+        history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+                              max_token_len=max_token_len, ppo_epochs=ppo_epochs, make_loss=make_loss,
+                              keys=("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"))
         metrics = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["actor/pg_loss_per_minibatch"] = history["pg_loss"]
         return metrics
@@ -214,44 +239,26 @@ class Critic(MegatronWorker):
     def _values(self, output, mb) -> torch.Tensor:
         return self._response_gather(output[:, :-1, 0].float(), mb)
 
-    @torch.no_grad()
     def compute_values(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                        max_token_len: Optional[int] = None) -> torch.Tensor:
-        def loss_fn(mb, ids, output):
-            v = self._values(output, mb)
-            return v.sum() * 0.0, {"v": v}
-
-        micros, order = self._micro(batch, micro_batch_size, max_token_len)
-        outs = self._run(micros, loss_fn, forward_only=True)
-        return self._gather_rows(outs, "v", order, tuple(batch.responses.shape))
+        return self._forward(batch, micro_batch_size, max_token_len, lambda output, ids, mb: self._values(output, mb))
 
     def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None,
                       ppo_epochs: int = 1, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                       norm_factor: Optional[float] = None) -> dict:
-        history = {"vf_loss": [], "vf_clipfrac": [], "grad_norm": []}
-        for _ in range(ppo_epochs):
-            for mini in batch.split(mini_batch_size):
-                n_tok = algo.global_count(mini.response_mask, self.dp_group)
-                n_seq = algo.global_seq_count(mini.response_mask, self.dp_group)
-                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
-                scale = len(micros) * self.dp
+        def make_loss(norm):
+            def loss_fn(mb, ids, output):
+                loss, clipfrac = algo.value_loss(self._values(output, mb), mb.returns, mb.values, mb.response_mask,
+                                                 cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
+                                                 norm_factor=norm_factor, **norm)
+                share = mb.response_mask.sum() / norm["global_tokens"]
+                return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac * share}
+            return loss_fn
 
-                def loss_fn(mb, ids, output):
-                    vpred = self._values(output, mb)
-                    loss, clipfrac = algo.value_loss(vpred, mb.returns, mb.values, mb.response_mask,
-                                                     cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
-                                                     global_tokens=n_tok, global_seqs=n_seq, norm_factor=norm_factor)
-                    share = mb.response_mask.sum() / n_tok
-                    return loss * scale, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac * share}
-
-                self._zero_grad()
-                outs = self._run(micros, loss_fn, forward_only=False)
-                grad_norm, _ = self._step()
-                for key in ("vf_loss", "vf_clipfrac"):
-                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
-                    history[key].append(self._global_sum(local))
-                history["grad_norm"].append(grad_norm)
+        history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+                              max_token_len=max_token_len, ppo_epochs=ppo_epochs, make_loss=make_loss,
+                              keys=("vf_loss", "vf_clipfrac"))
         metrics = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["critic/vf_loss_per_minibatch"] = history["vf_loss"]
         return metrics
