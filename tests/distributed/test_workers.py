@@ -102,3 +102,26 @@ def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, worl
     ref_after = torch.tensor(reference["after"])[got["rows"]]
     assert (torch.tensor(got["after"]) - ref_after).abs().max().item() < 1e-4
     assert (torch.tensor(reference["after"]) - torch.tensor(reference["old"])).abs().max().item() > 1e-3  # it moved
+
+
+def _lr_worker(rank, world, dirs, out_file):
+    setup(1, 1)
+    from megappo.workers import Actor
+
+    info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
+    actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
+                  lr_decay_style="linear", min_lr=1e-4)
+    batch = _global_batch()
+    batch.old_log_prob = actor.compute_log_prob(batch, 4)
+    lrs = [actor.update_policy(batch, mini_batch_size=8, micro_batch_size=4)["actor/lr"] for _ in range(8)]
+    with open(out_file, "w") as f:
+        json.dump(lrs, f)
+
+
+def test_lr_warmup_then_linear_decay(model_dir, tmp_path):
+    out = str(tmp_path / "lr.json")
+    spawn(_lr_worker, 1, model_dir, out)
+    with open(out) as f:
+        lrs = json.load(f)
+    want = [0.0, 5e-4, 1e-3] + [1e-3 - (1e-3 - 1e-4) * k / 4 for k in (1, 2, 3, 4)] + [1e-4]
+    assert lrs == pytest.approx(want, rel=1e-6, abs=1e-12)

@@ -42,7 +42,8 @@ class MegatronWorker:
 
     def __init__(self, chunks, config, *, lr: Optional[float] = None, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, betas=(0.9, 0.999), use_distributed_optimizer: bool = True,
-                 pad_token_id: int = 0, optimizer: str = "adam"):
+                 pad_token_id: int = 0, optimizer: str = "adam", lr_warmup_steps: int = 0,
+                 lr_decay_steps: Optional[int] = None, lr_decay_style: str = "constant", min_lr: float = 0.0):
         from megatron.core import parallel_state as ps
 
         self.config = config
@@ -67,10 +68,19 @@ class MegatronWorker:
             self.model = [DistributedDataParallel(config, ddp_cfg, c) for c in chunks]
             config.finalize_model_grads_func = finalize_model_grads
             self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                 adam_beta1=betas[0], adam_beta2=betas[1], bf16=config.bf16, fp16=config.fp16,
                                 params_dtype=config.params_dtype, use_distributed_optimizer=use_distributed_optimizer),
                 self.model)
+            # Stepped once per PPO step (update_policy / update_critic call), as verl does: linear
+            # warm-up from 0 over lr_warmup_steps, then constant / linear / cosine to min_lr.
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+            decay = max(lr_decay_steps or 0, lr_warmup_steps + 1)
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer, init_lr=0.0 if lr_warmup_steps > 0 else lr, max_lr=lr, min_lr=min_lr,
+                lr_warmup_steps=lr_warmup_steps, lr_decay_steps=decay, lr_decay_style=lr_decay_style,
+                start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
         self.chunks = list(chunks)  # unwrapped modules, for weight export
 
     # -- schedule ---------------------------------------------------------------------------
@@ -129,6 +139,7 @@ class MegatronWorker:
         normalisers; its metric dict holds micro-batch parts that add up (over micro-batches and
         DP ranks) to the mini-batch value of each of ``keys``."""
         history = {k: [] for k in (*keys, "grad_norm")}
+        history["lr"] = [self.optimizer.param_groups[0]["lr"]]
         for _ in range(ppo_epochs):
             for mini in batch.split(mini_batch_size):
                 norm = dict(global_tokens=algo.global_count(mini.response_mask, self.dp_group),
@@ -144,6 +155,7 @@ class MegatronWorker:
                     local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
                     history[key].append(self._global_sum(local))
                 history["grad_norm"].append(grad_norm)
+        self.scheduler.step(increment=1)
         return history
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
