@@ -32,3 +32,40 @@ def micro_batch_groups(n: int, lengths: list[int], micro_batch_size=None, max_to
     if micro_batch_size is None or n % micro_batch_size:
         raise ValueError(f"{n} samples do not split into micro-batches of {micro_batch_size}")
     return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)]
+
+
+def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
+    """Split indices into ``k`` equal-size parts with token sums as even as possible: longest
+    first, each to the lightest part that still has room."""
+    n = len(lengths)
+    if n % k:
+        raise ValueError(f"{n} samples do not split into {k} equal parts")
+    size = n // k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        j = min((j for j in range(k) if len(parts[j]) < size), key=lambda j: load[j])
+        parts[j].append(i)
+        load[j] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def deal_to_dp(lengths: list[int], mini_batch_size: int, dp: int, balance: bool = True) -> list[list[int]]:
+    """Rows of the global batch for each DP rank. Rank r's k-th mini-batch is its part of the
+    global k-th mini-batch (so updates do not depend on the DP size); with ``balance``
+    (trainer.balance_batch) the parts of each mini-batch carry near-equal token counts."""
+    n = len(lengths)
+    if n % mini_batch_size or mini_batch_size % dp:
+        raise ValueError(f"{n} samples in mini-batches of {mini_batch_size} do not deal evenly to {dp} DP ranks")
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    for start in range(0, n, mini_batch_size):
+        rows = list(range(start, start + mini_batch_size))
+        if balance:
+            parts = balanced_partition([lengths[i] for i in rows], dp)
+            parts = [[rows[i] for i in p] for p in parts]
+        else:
+            per = mini_batch_size // dp
+            parts = [rows[r * per:(r + 1) * per] for r in range(dp)]
+        for r in range(dp):
+            ranks[r].extend(parts[r])
+    return ranks
