@@ -1,0 +1,203 @@
+"""Checkpoints: megatron dist_checkpointing of workers (model + optimizer + LR schedule, loadable
+under another TP/PP) and the trainer's own state, published atomically.
+
+Layout under ``root``::
+
+    global_step_N/actor/         dist_checkpointing folder
+    global_step_N/critic/        (when the run has a critic)
+    global_step_N/trainer_state.json
+    latest                       "N": written last, by rename, so it never names a partial save
+
+A save goes to ``.tmp_global_step_N`` and is renamed into place only when every rank finished;
+a crash mid-save leaves the previous checkpoint and ``latest`` untouched.
+
+megatron-core 0.16.1 on the torch-Adam path (no apex/TE; GPU too) mishandles distributed-
+optimizer state on load: a fresh optimizer has no ``step`` state to load into, and the loaded
+state makes every parameter share ONE ``step`` tensor (Adam's bias correction then advances
+once per parameter per step). :func:`load_worker` creates the state first and un-shares ``step``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "CheckpointError"]
+
+_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: names the path and what is wrong."""
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _model_keys(worker) -> list[str]:
+    return ["model"] if len(worker.chunks) == 1 else [f"model{i}" for i in range(len(worker.chunks))]
+
+
+def _sharded(worker, is_loading: bool) -> dict:
+    sd = {k: c.sharded_state_dict() for k, c in zip(_model_keys(worker), worker.chunks)}
+    if worker.optimizer is not None:
+        model_sd = {k: sd[k] for k in _model_keys(worker)}
+        sd["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_META)
+        sd["scheduler"] = worker.scheduler.state_dict()
+    return sd
+
+
+def save_worker(worker, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    if _rank0():
+        os.makedirs(path, exist_ok=True)
+    _barrier()
+    dist_checkpointing.save(_sharded(worker, is_loading=False), path)
+
+
+def _ensure_optimizer_state(worker) -> None:
+    """Give every parameter its optimizer state (incl. ``step``) without changing any weight:
+    one step at learning rate 0 and zero weight decay on zero gradients."""
+    opt = worker.optimizer
+    groups = opt.param_groups
+    saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+        g["weight_decay"] = 0.0
+    worker._zero_grad()
+    opt.step()
+    for g, (lr, wd) in zip(groups, saved):
+        g["lr"], g["weight_decay"] = lr, wd
+
+
+def _inner_states(worker):
+    for opt in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            yield from inner.state.values()
+
+
+def _tolerate_missing_step(opt) -> None:
+    """megatron restores Adam's ``step`` into the live state from the checkpoint's param groups,
+    then copies each parameter's saved tensors over every live key, ``step`` included, which the
+    per-parameter checkpoint data does not hold (KeyError 'step'). Keep the restored step."""
+    if not hasattr(opt, "_set_main_param_and_optimizer_states") or getattr(opt, "_megappo_step_fix", False):
+        return
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        live = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+        if "step" in live and "step" not in tensors:
+            tensors = {**tensors, "step": live["step"]}
+        return original(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
+    opt._megappo_step_fix = True
+
+
+def _unshare_adam_step(worker) -> None:
+    for state in _inner_states(worker):
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
+def load_worker(worker, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if worker.optimizer is not None:
+        _ensure_optimizer_state(worker)
+    try:
+        state = dist_checkpointing.load(_sharded(worker, is_loading=True), path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load: {type(e).__name__}: {e}") from e
+    for key, chunk in zip(_model_keys(worker), worker.chunks):
+        chunk.load_state_dict(state[key], strict=False)
+    if worker.optimizer is not None:
+        for opt in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+            _tolerate_missing_step(opt)
+        worker.optimizer.load_state_dict(state["optimizer"])
+        steps = {type(st.get("step")).__name__ for st in _inner_states(worker)}
+        if "NoneType" in steps:
+            raise CheckpointError(f"{path}: the optimizer state was loaded without Adam's step counts")
+        _unshare_adam_step(worker)
+        worker.scheduler.load_state_dict(state["scheduler"])
+
+
+def latest_step(root: str) -> Optional[int]:
+    p = os.path.join(root, "latest")
+    if not os.path.isfile(p):
+        return None
+    text = open(p).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{p}: expected a step number, found {text!r}")
+    step = int(text)
+    if not os.path.isfile(os.path.join(root, f"global_step_{step}", "trainer_state.json")):
+        raise CheckpointError(f"{p} names step {step}, but global_step_{step}/trainer_state.json is missing")
+    return step
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None) -> str:
+    """Save every worker and the trainer state as ``global_step_<step>``; publish atomically."""
+    final = os.path.join(root, f"global_step_{step}")
+    tmp = os.path.join(root, f".tmp_global_step_{step}")
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    for name, worker in workers.items():
+        save_worker(worker, os.path.join(tmp, name))
+    _barrier()
+    if _rank0():
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, **trainer_state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(root, ".latest.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(root, "latest"))
+        _fsync_dir(root)
+        if max_to_keep:
+            steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
+            for old in steps[:-max_to_keep]:
+                shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str, workers: dict) -> dict:
+    """Load ``global_step_N`` into the workers (any TP/PP layout); returns the trainer state."""
+    meta = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(meta):
+        raise CheckpointError(f"{path}: no trainer_state.json (not a finished megappo checkpoint)")
+    for name, worker in workers.items():
+        load_worker(worker, os.path.join(path, name))
+    with open(meta) as f:
+        return json.load(f)
