@@ -264,7 +264,7 @@ class TrainerConfig:
     balance_batch: bool = _f(True, "Reorder samples so every data-parallel rank gets a similar token count.")
     project_name: str = _f("megappo", "Project name (log and checkpoint paths).")
     experiment_name: str = _f("default", "Experiment name (log and checkpoint paths).")
-    logger: list[Literal["console", "tensorboard"]] = _f(["console"], "Metric sinks: console, tensorboard.")
+    logger: list[Literal["console", "tensorboard", "file"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory).")
     default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
     resume_mode: Literal["disable", "auto", "resume_path"] = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path.")
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")

@@ -166,7 +166,7 @@ def test_overrides_are_typed():
     ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr", "expected a number"),
     ("data.train_batch_size=null", "data.train_batch_size", "null is not allowed"),
     ("data.truncation=middle-out", "data.truncation", "one of 'error', 'left', 'right', 'middle'"),
-    ("trainer.logger=[console,wandb]", "trainer.logger", "one of 'console', 'tensorboard'"),
+    ("trainer.logger=[console,wandb]", "trainer.logger", "one of 'console', 'tensorboard', 'file'"),
     ("actor_rollout_ref.actor.optim.betas=[0.9, x]", "actor_rollout_ref.actor.optim.betas", "expected a number"),
     ("data=3", "data", "is a section"),
 ])

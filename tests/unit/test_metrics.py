@@ -1,0 +1,66 @@
+"""verl-named batch metrics and the metric sinks."""
+import io
+import json
+
+import pytest
+import torch
+
+from megappo.batch import RolloutBatch
+from megappo.metrics import MetricsLogger, Timer, data_metrics
+
+
+def batch():
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    b = RolloutBatch.from_prompts_and_responses([[1, 2], [3, 4, 5], [6]], torch.ones(3, 4, dtype=torch.long), mask, 0)
+    b.token_level_scores = torch.zeros(3, 4)
+    b.token_level_scores[0, 2], b.token_level_scores[1, 3], b.token_level_scores[2, 0] = 1.0, 0.0, 0.5
+    b.token_level_rewards = b.token_level_scores - 0.1 * mask
+    b.advantages = torch.arange(12.0).view(3, 4)
+    b.returns = torch.ones(3, 4) * 2
+    b.values = torch.ones(3, 4)
+    return b
+
+
+def test_data_metrics():
+    m = data_metrics(batch(), max_response_length=4)
+    assert m["critic/score/mean"] == pytest.approx(0.5) and m["critic/score/max"] == 1.0 and m["critic/score/min"] == 0.0
+    assert m["critic/rewards/mean"] == pytest.approx(0.5 - 0.1 * 8 / 3)
+    assert m["critic/advantages/max"] == 8.0 and m["critic/advantages/min"] == 0.0   # masked entries ignored
+    assert m["response_length/mean"] == pytest.approx(8 / 3) and m["response_length/max"] == 4
+    assert m["response_length/clip_ratio"] == pytest.approx(1 / 3)
+    assert m["prompt_length/mean"] == pytest.approx(2.0)
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - 0 / (0 + 1e-5))  # constant error: var(ret - v) = 0
+    b = batch()
+    b.values = b.returns.clone()
+    assert data_metrics(b, 4)["critic/vf_explained_var"] == pytest.approx(1.0)
+
+
+def test_timer():
+    t = Timer()
+    with t("gen"):
+        pass
+    with t("gen"):
+        pass
+    out = t.pop()
+    assert set(out) == {"timing_s/gen"} and out["timing_s/gen"] >= 0 and t.pop() == {}
+
+
+def test_logger_sinks(tmp_path):
+    stream = io.StringIO()
+    lg = MetricsLogger(["console", "tensorboard", "file"], str(tmp_path), total_steps=10, stream=stream)
+    lg.log(1, {"critic/score/mean": 0.25, "actor/pg_loss": -0.1, "note": "x", "flag": True})
+    lg.log(2, {"critic/score/mean": 0.5})
+    lg.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "critic/score/mean": 0.25, "actor/pg_loss": -0.1}, {"step": 2, "critic/score/mean": 0.5}]
+    assert "step [1/10]" in stream.getvalue() and "critic/score/mean=0.25" in stream.getvalue()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("critic/score/mean")] == [0.25, 0.5]
+    with pytest.raises(ValueError, match="unknown sinks \\['wandb'\\]"):
+        MetricsLogger(["wandb"], str(tmp_path))
+    quiet = MetricsLogger(["file"], str(tmp_path / "other"), rank=1)
+    quiet.log(1, {"a": 1.0})
+    assert not (tmp_path / "other").exists()
