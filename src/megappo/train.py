@@ -71,9 +71,11 @@ def main(argv=None) -> int:
         print(f"# layout: {describe_layout(cfg)}")
     if args.dry_run:
         return 0
-    print("megappo: the training loop lands with issue 5/8 (trainer); only --dry-run works in this build.",
-          file=sys.stderr)
-    return 3
+    from megappo.trainer import PPOTrainer, init_distributed
+
+    init_distributed(cfg)
+    PPOTrainer(cfg).fit()
+    return 0
 
 
 if __name__ == "__main__":

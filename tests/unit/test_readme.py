@@ -24,7 +24,8 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_main_command_uses_the_setup_script_and_entry_point():
     cmd = command_after("main-command")
     assert cmd.startswith("bash launch/setup_cpu.sh && ")
-    assert "-m megappo.train" in cmd
+    script = cmd.split("&&")[1].split()[1]
+    assert "-m megappo.train" in (REPO / script).read_text()
 
 
 def test_config_reference_is_current():

@@ -61,4 +61,4 @@ def test_real_start_checks_paths_and_world_size(tmp_path):
     import os
     env = dict(os.environ, WORLD_SIZE="5", RANK="0")
     p = run(env=env)
-    assert "WORLD_SIZE=5" in p.stderr
+    assert p.returncode == 2 and "WORLD_SIZE=5" in p.stderr

@@ -1,0 +1,251 @@
+"""PPOTrainer: one SPMD program per rank; ``step()`` follows DESIGN.md section 2."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo import algo
+from megappo.batch import RolloutBatch
+from megappo.config import PPOConfig, critic_enabled, parallel_layout
+
+__all__ = ["PPOTrainer", "init_distributed"]
+
+
+def init_distributed(cfg: PPOConfig) -> None:
+    """torch.distributed from the launcher's environment (torchrun, srun, Ray); megatron's
+    parallel state from the config. On CPU the megatron adaptation is installed first."""
+    import datetime
+
+    if cfg.trainer.device == "cpu":
+        from megappo import megatron_cpu
+
+        megatron_cpu.install()
+    if not dist.is_initialized():
+        backend = "gloo" if cfg.trainer.device == "cpu" else "nccl"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    from megappo.models import initialize_parallel
+
+    m = cfg.actor_rollout_ref.actor.megatron
+    initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                        m.virtual_pipeline_model_parallel_size, seed=m.seed)
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoTokenizer
+
+        from megappo.convert.hf_io import Layout, load_hf_weights
+        from megappo.data import PromptDataset, PromptSampler
+        from megappo.metrics import MetricsLogger, Timer
+        from megappo.models import build_model, describe, load_hf_config, transformer_config
+        from megappo.rewards import load_custom_reward
+        from megappo.rollout import VLLMRollout
+        from megappo.workers import Actor, Critic
+
+        self.cfg = cfg
+        arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.lay = parallel_layout(cfg, self.world)
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        m = arr.actor.megatron
+        tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+        cpu = tr.device == "cpu"
+        dtype = torch.float32 if cpu else torch.bfloat16
+        path = os.path.expanduser(arr.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        # Rollout engine first: vLLM's start-up reseeds RNGs (restored by the wrapper) and
+        # under the external launcher every rank must construct it at the same point.
+        self.engine = VLLMRollout(
+            path, device=tr.device, tensor_parallel_size=arr.rollout.tensor_model_parallel_size,
+            dtype="float32" if cpu else arr.rollout.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
+            max_num_seqs=arr.rollout.max_num_seqs, max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
+            gpu_memory_utilization=arr.rollout.gpu_memory_utilization, enforce_eager=arr.rollout.enforce_eager,
+            free_cache_engine=arr.rollout.free_cache_engine, seed=m.seed)
+
+        def build(value_head: bool, model_path: str):
+            info = describe(load_hf_config(model_path), tp=tp, value_head=value_head)
+            tcfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=m.sequence_parallel,
+                                      params_dtype=dtype, cpu=cpu)
+            chunks = build_model(info, tcfg, value_head=value_head, seed=m.seed)
+            load_hf_weights(chunks, model_path, info.desc, Layout.from_megatron())
+            return info, tcfg, chunks
+
+        total = self.total_steps()
+        o = arr.actor.optim
+        warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
+        self.info, tcfg, chunks = build(False, path)
+        self.actor = Actor(chunks, tcfg, vocab_size=self.info.desc.vocab_size, lr=o.lr, weight_decay=o.weight_decay,
+                           clip_grad=o.clip_grad, betas=tuple(o.betas), use_distributed_optimizer=m.use_distributed_optimizer,
+                           pad_token_id=self.pad_id, lr_warmup_steps=warm, lr_decay_steps=total,
+                           lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
+        self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = None
+        if self.use_ref:
+            _, rcfg, rchunks = build(False, path)
+            self.ref = Actor(rchunks, rcfg, vocab_size=self.info.desc.vocab_size, pad_token_id=self.pad_id)
+        self.critic = None
+        if critic_enabled(cfg):
+            co = cfg.critic.optim
+            cwarm = co.lr_warmup_steps if co.lr_warmup_steps >= 0 else int(co.lr_warmup_steps_ratio * total)
+            _, ccfg, cchunks = build(True, os.path.expanduser(cfg.critic.model.path))
+            self.critic = Critic(cchunks, ccfg, lr=co.lr, weight_decay=co.weight_decay, clip_grad=co.clip_grad,
+                                 betas=tuple(co.betas), use_distributed_optimizer=m.use_distributed_optimizer,
+                                 pad_token_id=self.pad_id, lr_warmup_steps=cwarm, lr_decay_steps=total,
+                                 lr_decay_style=co.lr_decay_style, min_lr=co.min_lr)
+        self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+                              if cfg.custom_reward_function.path else None)
+        ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+        self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
+        self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
+        self.sampler = PromptSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.step_no = 0
+        self.timer = Timer()
+        self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
+                                    total_steps=total)
+        self.sync_weights()
+
+    # -- pieces ---------------------------------------------------------------------------
+    def total_steps(self) -> int:
+        per_epoch = len(self.train_data) // self.cfg.data.train_batch_size if hasattr(self, "train_data") else None
+        if self.cfg.trainer.total_training_steps:
+            return self.cfg.trainer.total_training_steps
+        if per_epoch is None:
+            from megappo.data import read_rows
+
+            n = sum(len(read_rows(f)) for f in self.cfg.data.train_files)
+            per_epoch = n // self.cfg.data.train_batch_size
+        return max(1, per_epoch * self.cfg.trainer.total_epochs)
+
+    def sync_weights(self) -> dict:
+        from megappo.convert.hf_io import Layout, iter_hf_tensors
+
+        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, Layout.from_megatron()))
+
+    def rollout(self, items, sampling) -> tuple[RolloutBatch, list]:
+        """Generate on this rank's rollout replica, gather every replica's samples on every rank."""
+        from megappo.rollout import gather_outputs, prompt_slice, rollout_replica
+
+        rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        replica, n_rep = rollout_replica(self.rank, self.world, rtp)
+        sl = prompt_slice(len(items), replica, n_rep)
+        sampling.seed = None if rtp == 1 else 1000 * self.step_no + replica  # identical within a replica
+        local = self.engine.generate([it.prompt_ids for it in items[sl]], sampling)
+        out = gather_outputs(local, sl.start, rtp, self.engine.pad_token_id)
+        prompts = [items[i].prompt_ids for i in out.prompt_index.tolist()]
+        batch = RolloutBatch.from_prompts_and_responses(prompts, out.responses, out.response_mask, self.pad_id,
+                                                        prompt_index=out.prompt_index,
+                                                        rollout_log_probs=out.rollout_log_probs)
+        return batch, [items[i] for i in out.prompt_index.tolist()]
+
+    def score(self, batch: RolloutBatch, items) -> torch.Tensor:
+        from megappo.rewards import score_batch
+
+        texts = [self.tokenizer.decode(batch.responses[i, :int(batch.response_mask[i].sum())].tolist(),
+                                       skip_special_tokens=True) for i in range(len(batch))]
+        scores = score_batch([it.data_source for it in items], texts, [it.ground_truth for it in items],
+                             [it.extra_info for it in items], custom=self.custom_reward)
+        tls = torch.zeros_like(batch.response_mask)
+        last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
+        tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
+        return tls * batch.response_mask
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> dict:
+        from megappo.metrics import data_metrics
+        from megappo.rollout import SamplingConfig
+        from megappo.workers.batching import deal_to_dp
+
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        act, t = arr.actor, self.timer
+        metrics = {}
+        with t("step"):
+            items = [self.train_data[i] for i in self.sampler.next_batch()]
+            with t("gen"):
+                full, full_items = self.rollout(items, SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length))
+            self.engine.sleep()
+            with t("reward"):
+                full.token_level_scores = self.score(full, full_items)
+            n = arr.rollout.n
+            lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
+            rows = deal_to_dp(lengths, act.ppo_mini_batch_size * n, self.dp, cfg.trainer.balance_batch)[self.dp_rank]
+            batch = full.select(rows)
+            mb = dict(micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                      max_token_len=arr.rollout.log_prob_max_token_len_per_gpu if arr.rollout.log_prob_use_dynamic_bsz else None)
+            if mb["max_token_len"]:
+                mb["micro_batch_size"] = None
+            with t("old_log_prob"):
+                batch.old_log_prob = self.actor.compute_log_prob(batch, **mb)
+            metrics.update(algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask))
+            if self.ref is not None:
+                with t("ref"):
+                    batch.ref_log_prob = self.ref.compute_log_prob(batch, **mb)
+            if self.critic is not None:
+                with t("values"):
+                    batch.values = self.critic.compute_values(batch, **mb)
+            with t("adv"):
+                if cfg.algorithm.use_kl_in_reward:
+                    batch.token_level_rewards, kl_m = algo.apply_kl_in_reward(
+                        batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob, batch.response_mask,
+                        self.kl_ctrl, cfg.algorithm.kl_penalty, dp_group=self.dp_group)
+                    metrics.update(kl_m)
+                else:
+                    batch.token_level_rewards = batch.token_level_scores
+                batch.advantages, batch.returns = algo.compute_advantages(
+                    cfg.algorithm.adv_estimator, token_level_rewards=batch.token_level_rewards,
+                    response_mask=batch.response_mask, values=batch.values, group_index=batch.prompt_index,
+                    gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+            mini = act.ppo_mini_batch_size * n // self.dp
+            if self.critic is not None:
+                c = cfg.critic
+                with t("update_critic"):
+                    metrics.update(self.critic.update_critic(
+                        batch, mini_batch_size=mini, ppo_epochs=c.ppo_epochs, cliprange_value=c.cliprange_value,
+                        loss_agg_mode=c.loss_agg_mode, norm_factor=cfg.data.max_response_length,
+                        micro_batch_size=None if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu,
+                        max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None))
+            if self.step_no >= cfg.trainer.critic_warmup:
+                with t("update_actor"):
+                    metrics.update(self.actor.update_policy(
+                        batch, mini_batch_size=mini, ppo_epochs=act.ppo_epochs,
+                        clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
+                        clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
+                        clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
+                        use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type,
+                        norm_factor=cfg.data.max_response_length,
+                        micro_batch_size=None if act.use_dynamic_bsz else act.ppo_micro_batch_size_per_gpu,
+                        max_token_len=act.ppo_max_token_len_per_gpu if act.use_dynamic_bsz else None))
+            with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
+                self.sync_weights()
+        self.step_no += 1
+        metrics.update(data_metrics(full, cfg.data.max_response_length))  # scores over the global batch
+        local = data_metrics(batch, cfg.data.max_response_length)
+        metrics.update({k: v for k, v in local.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
+                        or k == "critic/vf_explained_var"})
+        metrics.update(t.pop())
+        tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
+        metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
+        metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+        for k, v in metrics.items():
+            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+                raise FloatingPointError(f"step {self.step_no}: metric {k} is {v}; stopping before anything is saved")
+        self.logger.log(self.step_no, metrics)
+        return metrics
+
+    def fit(self, steps: Optional[int] = None) -> list[dict]:
+        history = []
+        for _ in range(steps if steps is not None else self.total_steps()):
+            history.append(self.step())
+        self.logger.close()
+        return history
