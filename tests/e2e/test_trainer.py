@@ -28,7 +28,8 @@ def test_tiny_cpu_main_job(tmp_path):
     out = tmp_path / "tiny"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
     p = subprocess.run(["bash", str(REPO / "launch" / "tiny_cpu.sh"), "trainer.total_training_steps=4",
-                        "trainer.logger=[console,file,tensorboard]"], capture_output=True, text=True, timeout=600,
+                        "trainer.logger=[console,file,tensorboard]", "algorithm.adv_estimator=gae",
+                        "actor_rollout_ref.rollout.n=2"], capture_output=True, text=True, timeout=600,
                        env=env, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr[-4000:]
     rows = read_metrics(out / "run")
