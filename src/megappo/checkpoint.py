@@ -158,8 +158,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None) -> str:
-    """Save every worker and the trainer state as ``global_step_<step>``; publish atomically."""
+def _rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, "rank_state", f"rank_{rank}.pt")
+
+
+def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None,
+                    per_rank_state: Optional[dict] = None) -> str:
+    """Save every worker and the trainer state as ``global_step_<step>``; publish atomically.
+    ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``."""
     final = os.path.join(root, f"global_step_{step}")
     tmp = os.path.join(root, f".tmp_global_step_{step}")
     if _rank0():
@@ -168,6 +174,10 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     _barrier()
     for name, worker in workers.items():
         save_worker(worker, os.path.join(tmp, name))
+    if per_rank_state is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
+        torch.save(per_rank_state, _rank_file(tmp, rank))
     _barrier()
     if _rank0():
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -192,12 +202,29 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     return final
 
 
-def load_checkpoint(path: str, workers: dict) -> dict:
-    """Load ``global_step_N`` into the workers (any TP/PP layout); returns the trainer state."""
+def load_checkpoint(path: str, workers: dict, with_rank_state: bool = False):
+    """Load ``global_step_N`` into the workers (any TP/PP layout); returns the trainer state, and
+    with ``with_rank_state`` also this rank's saved per-rank state (None when it has none)."""
     meta = os.path.join(path, "trainer_state.json")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a checkpoint directory")
     if not os.path.isfile(meta):
         raise CheckpointError(f"{path}: no trainer_state.json (not a finished megappo checkpoint)")
+    try:
+        with open(meta) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta}: unreadable trainer state: {e}") from e
     for name, worker in workers.items():
         load_worker(worker, os.path.join(path, name))
-    with open(meta) as f:
-        return json.load(f)
+    if not with_rank_state:
+        return state
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rf = _rank_file(path, rank)
+    rank_state = None
+    if os.path.isfile(rf):
+        try:
+            rank_state = torch.load(rf, weights_only=False)
+        except Exception as e:
+            raise CheckpointError(f"{rf}: unreadable per-rank state: {type(e).__name__}: {e}") from e
+    return state, rank_state

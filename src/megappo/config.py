@@ -93,7 +93,7 @@ class DataConfig:
     filter_overlong_prompts: bool = _f(False, "Drop prompts longer than max_prompt_length at load time (counted in a metric).")
     truncation: Truncation = _f("error", "What to do with a prompt longer than max_prompt_length that was not filtered: error | left | right | middle.")
     shuffle: bool = _f(True, "Shuffle the training prompts every epoch.")
-    seed: int = _f(1, "Seed of the prompt shuffling.")
+    seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
 
 
 @dataclass
@@ -245,6 +245,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token-classification model with one label (the critic export layout), same tokenizer as the actor.")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = _f(False, "Score responses with a reward model instead of the rule/custom reward function.")
+    model: RewardModelModelConfig = _sub(RewardModelModelConfig, "Reward model weights.")
+    micro_batch_size_per_gpu: Optional[int] = _f(Ref("critic.forward_micro_batch_size_per_gpu"), "Samples per micro-batch of the reward-model pass.")
+    use_dynamic_bsz: bool = _f(Ref("critic.use_dynamic_bsz"), "Token-budget micro-batches for the reward-model pass.")
+    forward_max_token_len_per_gpu: int = _f(Ref("critic.forward_max_token_len_per_gpu"), "Token budget per micro-batch of the reward-model pass.")
+
+
+@dataclass
 class CustomRewardFunctionConfig:
     path: Optional[str] = _f(None, "Python file with your reward function (verl's custom_reward_function); null uses the built-in rewards by data_source.")
     name: str = _f("compute_score", "Function in that file, called as fn(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}.")
@@ -266,7 +280,7 @@ class TrainerConfig:
     experiment_name: str = _f("default", "Experiment name (log and checkpoint paths).")
     logger: list[Literal["console", "tensorboard", "file"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory).")
     default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
-    resume_mode: Literal["disable", "auto", "resume_path"] = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path.")
+    resume_mode: str = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (use resume_from_path) | a checkpoint path.")
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many actor checkpoints; null keeps all.")
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many critic checkpoints; null keeps all.")
@@ -278,6 +292,7 @@ class PPOConfig:
     actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig, "Policy: model, PPO actor, rollout, reference.")
     critic: CriticConfig = _sub(CriticConfig, "Value model.")
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "Advantages and KL.")
+    reward_model: RewardModelConfig = _sub(RewardModelConfig, "Optional model-based reward.")
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig, "A user reward function.")
     trainer: TrainerConfig = _sub(TrainerConfig, "Run control, layout of the job, checkpoints, logging.")
 
@@ -842,7 +857,13 @@ def validate(
     need(tr.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {tr.critic_warmup}")
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
+    need(bool(tr.resume_mode), "trainer.resume_mode", "must be disable, auto, resume_path or a checkpoint path")
     need(bool(d.train_files), "data.train_files", "needs at least one file")
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
+        need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
+             "must be set unless reward_model.use_dynamic_bsz")
     need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length", "implausibly long sequences")
 
     if check_paths:
@@ -852,12 +873,17 @@ def validate(
         _check_model_path(cfg, "actor_rollout_ref.model.path", need)
         if critic_enabled(cfg) and cr.model.path != arr.model.path:
             _check_model_path(cfg, "critic.model.path", need)
+        if cfg.reward_model.enable and cfg.reward_model.model.path:
+            _check_model_path(cfg, "reward_model.model.path", need)
         crf = cfg.custom_reward_function.path
         if crf:
             need(Path(os.path.expanduser(crf)).is_file(), "custom_reward_function.path", f"file not found: {crf}")
         if tr.resume_mode == "resume_path" and tr.resume_from_path:
             need(Path(os.path.expanduser(tr.resume_from_path)).is_dir(), "trainer.resume_from_path",
                  f"checkpoint directory not found: {tr.resume_from_path}")
+        if tr.resume_mode not in ("disable", "auto", "resume_path"):
+            need(Path(os.path.expanduser(tr.resume_mode)).is_dir(), "trainer.resume_mode",
+                 f"expected disable, auto, resume_path or an existing checkpoint directory, got {tr.resume_mode!r}")
 
     if E:
         raise ConfigError(E)

@@ -12,42 +12,83 @@ import torch
 
 from megappo.batch import RolloutBatch
 
-__all__ = ["data_metrics", "Timer", "MetricsLogger"]
+__all__ = ["data_metrics", "Timer", "MetricsLogger", "peak_flops", "mfu"]
+
+# Dense bf16 tensor-core peak per GPU (datasheets, without sparsity), by device-name substring.
+_PEAK_BF16_TFLOPS = (("GB200", 2500), ("B200", 2250), ("H200", 989), ("H100", 989), ("H800", 989), ("H20", 148),
+                     ("A100", 312), ("A800", 312), ("L40S", 362), ("A10G", 70), ("L4", 121))
 
 
-def _stats(prefix: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> dict:
-    v = x[mask.bool()] if mask is not None else x.reshape(-1)
-    if v.numel() == 0:
+def peak_flops(device_name: str) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of one GPU by its name (torch.cuda.get_device_name); None if unknown."""
+    for key, tflops in _PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def mfu(n_params: int, tokens: float, seconds: float, n_gpus: int, peak: float) -> float:
+    """Model FLOPs utilisation of a training pass: 6 FLOPs per parameter per token (forward +
+    backward, attention ignored as is usual for short sequences) over the GPUs' peak."""
+    return 6.0 * n_params * tokens / (seconds * n_gpus * peak)
+
+
+def _reduce(vals: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(vals, op=op, group=group)
+    return vals
+
+
+def _stats(prefix: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None, group=None) -> dict:
+    """mean/max/min over the selected elements of every rank of ``group`` (None: this rank)."""
+    v = (x[mask.bool()] if mask is not None else x.reshape(-1)).double().cpu()
+    ReduceOp = torch.distributed.ReduceOp
+    sums = _reduce(torch.tensor([v.sum().item(), float(v.numel())], dtype=torch.float64), ReduceOp.SUM, group)
+    inf = float("inf")
+    hi = _reduce(torch.tensor([v.max().item() if v.numel() else -inf], dtype=torch.float64), ReduceOp.MAX, group)
+    lo = _reduce(torch.tensor([v.min().item() if v.numel() else inf], dtype=torch.float64), ReduceOp.MIN, group)
+    if sums[1] == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
-    v = v.double()
-    return {f"{prefix}/mean": v.mean().item(), f"{prefix}/max": v.max().item(), f"{prefix}/min": v.min().item()}
+    return {f"{prefix}/mean": (sums[0] / sums[1]).item(), f"{prefix}/max": hi.item(), f"{prefix}/min": lo.item()}
 
 
-def data_metrics(batch: RolloutBatch, max_response_length: int) -> dict:
+def _explained_var(returns: torch.Tensor, values: torch.Tensor, group=None) -> float:
+    """1 - Var(returns - values) / Var(returns) over response tokens of all ranks (population
+    variances from summed moments, so the DP split does not change the figure)."""
+    r, d = returns.double().cpu(), (returns - values).double().cpu()
+    m = _reduce(torch.tensor([float(r.numel()), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()], dtype=torch.float64),
+                torch.distributed.ReduceOp.SUM, group)
+    n = m[0].item()
+    if n < 2:
+        return 0.0
+    var_r = m[2].item() / n - (m[1].item() / n) ** 2
+    var_d = m[4].item() / n - (m[3].item() / n) ** 2
+    return 1.0 - var_d / (var_r + 1e-5)
+
+
+def data_metrics(batch: RolloutBatch, max_response_length: int, group=None) -> dict:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values (+
     vf_explained_var), response_length/* (with clip_ratio: share of responses that hit the
-    length limit), prompt_length/* -- over this rank's samples."""
+    length limit), prompt_length/* -- over the samples of every rank of ``group`` (each rank
+    passes its own, disjoint samples; None: this rank's batch alone). Collective over ``group``."""
     m = batch.response_mask
     out = {}
     if batch.token_level_scores is not None:
-        out.update(_stats("critic/score", (batch.token_level_scores * m).sum(-1)))
+        out.update(_stats("critic/score", (batch.token_level_scores * m).sum(-1), group=group))
     if batch.token_level_rewards is not None:
-        out.update(_stats("critic/rewards", (batch.token_level_rewards * m).sum(-1)))
+        out.update(_stats("critic/rewards", (batch.token_level_rewards * m).sum(-1), group=group))
     if batch.advantages is not None:
-        out.update(_stats("critic/advantages", batch.advantages, m))
+        out.update(_stats("critic/advantages", batch.advantages, m, group=group))
     if batch.returns is not None:
-        out.update(_stats("critic/returns", batch.returns, m))
+        out.update(_stats("critic/returns", batch.returns, m, group=group))
     if batch.values is not None:
-        out.update(_stats("critic/values", batch.values, m))
+        out.update(_stats("critic/values", batch.values, m, group=group))
         if batch.returns is not None:
-            ret, val = batch.returns[m.bool()].double(), batch.values[m.bool()].double()
-            var = ret.var(unbiased=False) if ret.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
-            ev = 1.0 - ((ret - val).var(unbiased=False) / (var + 1e-5)) if ret.numel() > 1 else torch.tensor(0.0)
-            out["critic/vf_explained_var"] = float(ev)
+            out["critic/vf_explained_var"] = _explained_var(batch.returns[m.bool()], batch.values[m.bool()], group)
     lengths = m.sum(-1)
-    out.update(_stats("response_length", lengths))
-    out["response_length/clip_ratio"] = (lengths >= max_response_length).double().mean().item()
-    out.update(_stats("prompt_length", batch.prompt_lengths.double()))
+    out.update(_stats("response_length", lengths, group=group))
+    out["response_length/clip_ratio"] = _stats("clip", (lengths >= max_response_length).double(), group=group)["clip/mean"]
+    out.update(_stats("prompt_length", batch.prompt_lengths.double(), group=group))
     return out
 
 
@@ -78,6 +119,8 @@ class MetricsLogger:
     SINKS = ("console", "tensorboard", "file")
 
     def __init__(self, sinks, run_dir: str, rank: int = 0, total_steps: Optional[int] = None, stream=None):
+        self.run_dir = run_dir
+        self._resumed_at = 0
         unknown = set(sinks) - set(self.SINKS)
         if unknown:
             raise ValueError(f"trainer.logger: unknown sinks {sorted(unknown)}; known: {', '.join(self.SINKS)}")
@@ -105,12 +148,16 @@ class MetricsLogger:
         if "console" in self.sinks:
             eta = ""
             if self.total:
-                per = (time.time() - self.t0) / max(step, 1)
-                eta = f" eta {per * (self.total - step):.0f}s"
+                done = step - self._resumed_at
+                per = (time.time() - self.t0) / max(done, 1)
+                eta = f" eta {per * max(self.total - step, 0):.0f}s"
             keys = [k for k in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean",
-                                "timing_s/step") if k in scalars]
+                                "timing_s/step") if k in scalars] + sorted(k for k in scalars if k.startswith("val-core/"))
             shown = " ".join(f"{k}={scalars[k]:.4g}" for k in keys)
             bar = f"[{step}/{self.total}]" if self.total else f"[{step}]"
+            if self.total:
+                done = int(20 * min(step, self.total) / self.total)
+                bar = f"{bar} |{'#' * done}{'.' * (20 - done)}|"
             print(f"step {bar}{eta} {shown}", file=self.stream, flush=True)
         if self._tb is not None:
             for k, v in scalars.items():
@@ -119,6 +166,35 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **scalars}) + "\n")
             self._file.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop what a crashed run logged after its last checkpoint, so each step
+        appears once (the file keeps its lines up to ``step``; TensorBoard purges later events)."""
+        self.t0 = time.time()
+        self._resumed_at = step
+        if not self.active:
+            return
+        if self._file is not None:
+            path = self._file.name
+            self._file.close()
+            keep = []
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= step:
+                            keep.append(line)
+                    except (ValueError, KeyError):
+                        pass  # a line cut short by the crash
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+            os.replace(tmp, path)
+            self._file = open(path, "a", encoding="utf-8")
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=step + 1)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -1,6 +1,7 @@
 """PPOTrainer: one SPMD program per rank; ``step()`` follows DESIGN.md section 2."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -101,6 +102,15 @@ class PPOTrainer:
                                  betas=tuple(co.betas), use_distributed_optimizer=m.use_distributed_optimizer,
                                  pad_token_id=self.pad_id, lr_warmup_steps=cwarm, lr_decay_steps=total,
                                  lr_decay_style=co.lr_decay_style, min_lr=co.min_lr)
+        self.reward_model = None
+        if cfg.reward_model.enable:
+            from megappo.workers import RewardModel
+
+            rm_info, rmcfg, rmchunks = build(True, os.path.expanduser(cfg.reward_model.model.path))
+            if rm_info.desc.vocab_size < len(self.tokenizer):
+                raise ValueError(f"reward_model.model.path: its vocabulary ({rm_info.desc.vocab_size}) is smaller than "
+                                 f"the actor tokenizer's ({len(self.tokenizer)}); the reward model must share it")
+            self.reward_model = RewardModel(rmchunks, rmcfg, pad_token_id=self.pad_id)
         self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                               if cfg.custom_reward_function.path else None)
@@ -113,6 +123,7 @@ class PPOTrainer:
         self.timer = Timer()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=total)
+        self.resumed_from = self.resume()
         self.sync_weights()
 
     # -- pieces ---------------------------------------------------------------------------
@@ -132,14 +143,18 @@ class PPOTrainer:
 
         return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, Layout.from_megatron()))
 
-    def rollout(self, items, sampling) -> tuple[RolloutBatch, list]:
-        """Generate on this rank's rollout replica, gather every replica's samples on every rank."""
+    def rollout(self, items, sampling, salt: int = 0) -> tuple[RolloutBatch, list]:
+        """Generate on this rank's rollout replica, gather every replica's samples on every rank.
+        Each prompt samples from its own seed, a function of (seed, step, salt, position in the
+        batch): the samples do not depend on how prompts are split over replicas, and a resumed
+        run draws exactly what the uninterrupted one drew."""
         from megappo.rollout import gather_outputs, prompt_slice, rollout_replica
 
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         replica, n_rep = rollout_replica(self.rank, self.world, rtp)
         sl = prompt_slice(len(items), replica, n_rep)
-        sampling.seed = None if rtp == 1 else 1000 * self.step_no + replica  # identical within a replica
+        base = (self.cfg.data.seed * 1_000_003 + self.step_no * 4_000_037 + salt * 7_919_003) % (1 << 40)
+        sampling.seed = base + sl.start * sampling.n
         local = self.engine.generate([it.prompt_ids for it in items[sl]], sampling)
         out = gather_outputs(local, sl.start, rtp, self.engine.pad_token_id)
         prompts = [items[i].prompt_ids for i in out.prompt_index.tolist()]
@@ -160,8 +175,28 @@ class PPOTrainer:
         tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
         return tls * batch.response_mask
 
+    def _actor_params(self) -> int:
+        """Parameters of the whole actor (summed over its TP x PP shards), counted once."""
+        if not hasattr(self, "_n_params"):
+            from megatron.core import parallel_state as ps
+
+            n = torch.tensor([float(sum(p.numel() for c in self.actor.chunks for p in c.parameters()))],
+                             device="cuda" if self.cfg.trainer.device == "cuda" else "cpu")
+            dist.all_reduce(n, group=ps.get_model_parallel_group())
+            self._n_params = int(n.item())
+        return self._n_params
+
+    def _assemble_rows(self, local: torch.Tensor, rows: list, n_rows: int) -> torch.Tensor:
+        """The full batch's tensor from every DP rank's rows (for metrics over all samples)."""
+        parts = [None] * self.dp
+        dist.all_gather_object(parts, (rows, local.cpu()), group=self.dp_group)
+        out = torch.zeros((n_rows, *local.shape[1:]), dtype=local.dtype)
+        for r, t in parts:
+            out[torch.tensor(r, dtype=torch.long)] = t
+        return out
+
     # -- the step -------------------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self, log: bool = True) -> dict:
         from megappo.metrics import data_metrics
         from megappo.rollout import SamplingConfig
         from megappo.workers.batching import deal_to_dp
@@ -174,12 +209,20 @@ class PPOTrainer:
             with t("gen"):
                 full, full_items = self.rollout(items, SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length))
             self.engine.sleep()
-            with t("reward"):
-                full.token_level_scores = self.score(full, full_items)
+            if self.reward_model is None:
+                with t("reward"):
+                    full.token_level_scores = self.score(full, full_items)
             n = arr.rollout.n
             lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
             rows = deal_to_dp(lengths, act.ppo_mini_batch_size * n, self.dp, cfg.trainer.balance_batch)[self.dp_rank]
             batch = full.select(rows)
+            if self.reward_model is not None:
+                rm = cfg.reward_model
+                with t("reward"):
+                    batch.token_level_scores = self.reward_model.compute_scores(
+                        batch, micro_batch_size=None if rm.use_dynamic_bsz else rm.micro_batch_size_per_gpu,
+                        max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
+                    full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
             mb = dict(micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                       max_token_len=arr.rollout.log_prob_max_token_len_per_gpu if arr.rollout.log_prob_use_dynamic_bsz else None)
             if mb["max_token_len"]:
@@ -229,23 +272,151 @@ class PPOTrainer:
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
-        metrics.update(data_metrics(full, cfg.data.max_response_length))  # scores over the global batch
-        local = data_metrics(batch, cfg.data.max_response_length)
-        metrics.update({k: v for k, v in local.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
+        metrics.update(data_metrics(full, cfg.data.max_response_length))  # every rank holds the whole batch
+        dealt = data_metrics(batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
+        metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
                         or k == "critic/vf_explained_var"})
         metrics.update(t.pop())
         tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
+        metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(self.cfg.trainer.device)
+        if self.cfg.trainer.device == "cuda" and "timing_s/update_actor" in metrics:
+            from megappo.metrics import mfu, peak_flops
+
+            peak = peak_flops(torch.cuda.get_device_name())
+            if peak:
+                metrics["perf/mfu/actor"] = mfu(self._actor_params(), tokens * act.ppo_epochs,
+                                                metrics["timing_s/update_actor"], self.world, peak)
         metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
         for k, v in metrics.items():
             if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
                 raise FloatingPointError(f"step {self.step_no}: metric {k} is {v}; stopping before anything is saved")
-        self.logger.log(self.step_no, metrics)
+        if log:
+            self.logger.log(self.step_no, metrics)
         return metrics
 
+    # -- validation, checkpoints, the loop ---------------------------------------------------
+    def validate(self) -> dict:
+        """Score the whole validation set with ``rollout.val_kwargs`` sampling:
+        ``val-core/<data_source>/reward/mean@<n>`` (and ``best@<n>`` when n > 1)."""
+        from megappo.rollout import SamplingConfig
+
+        if self.val_data is None:
+            return {}
+        sampling = SamplingConfig.from_config(self.cfg.actor_rollout_ref.rollout, self.cfg.data.max_response_length,
+                                              validation=True)
+        items = [self.val_data[i] for i in range(len(self.val_data))]
+        with self.timer("testing"):
+            batch, its = self.rollout(items, sampling, salt=1)
+            scores = self.score(batch, its).sum(-1).view(len(items), sampling.n)
+            # Training rollouts never see validation's cached prompts: a run resumed from the
+            # checkpoint of this step (fresh engine, empty cache) then samples exactly as this one.
+            self.engine.reset_prefix_cache()
+        out = {}
+        n = sampling.n
+        for src in sorted({it.data_source for it in items}):
+            rows = torch.tensor([i for i, it in enumerate(items) if it.data_source == src])
+            s = scores[rows].double()
+            out[f"val-core/{src}/reward/mean@{n}"] = s.mean().item()
+            if n > 1:
+                out[f"val-core/{src}/reward/best@{n}"] = s.max(-1).values.mean().item()
+        return out
+
+    def _workers(self) -> dict:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def trainer_state(self) -> dict:
+        return {"data": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "world_size": self.world, "layout": dataclasses.asdict(self.lay)}
+
+    def save(self) -> str:
+        """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically."""
+        from megappo.checkpoint import save_checkpoint
+
+        tr = self.cfg.trainer
+        keep = [k for k in (tr.max_actor_ckpt_to_keep, tr.max_critic_ckpt_to_keep) if k]
+        root = os.path.expanduser(tr.default_local_dir)
+        return save_checkpoint(root, self.step_no, self._workers(), self.trainer_state(),
+                               max_to_keep=min(keep) if keep else None, per_rank_state=_rng_state())
+
+    def resume(self) -> Optional[str]:
+        """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""
+        from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint
+
+        tr = self.cfg.trainer
+        root = os.path.expanduser(tr.default_local_dir)
+        if tr.resume_mode == "disable":
+            return None
+        if tr.resume_mode == "auto":
+            step = latest_step(root)
+            if step is None:
+                return None
+            path = os.path.join(root, f"global_step_{step}")
+        else:
+            path = os.path.expanduser(tr.resume_from_path if tr.resume_mode == "resume_path" else tr.resume_mode)
+        state, rank_state = load_checkpoint(path, self._workers(), with_rank_state=True)
+        try:
+            self.sampler.load_state_dict(state["data"])
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}/trainer_state.json: cannot restore the trainer state: {e}") from e
+        self.step_no = int(state["step"])
+        if rank_state is not None and state.get("world_size") == self.world:
+            _set_rng_state(rank_state)
+        self.logger.truncate_after(self.step_no)
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step_no}", flush=True)
+        return path
+
     def fit(self, steps: Optional[int] = None) -> list[dict]:
+        """Train until ``total_training_steps`` (or ``steps`` more); validate every ``test_freq``
+        steps and at the end, checkpoint every ``save_freq`` steps and at the end."""
+        tr = self.cfg.trainer
+        total = self.total_steps() if steps is None else self.step_no + steps
         history = []
-        for _ in range(steps if steps is not None else self.total_steps()):
-            history.append(self.step())
+        if self.step_no == 0 and tr.val_before_train and self.val_data is not None:
+            val = self.validate()
+            self.timer.pop()
+            self.logger.log(0, val)
+        while self.step_no < total:
+            metrics = self.step(log=False)
+            last = self.step_no == total
+            if tr.test_freq > 0 and (self.step_no % tr.test_freq == 0 or last):
+                metrics.update(self.validate())
+                metrics.update(self.timer.pop())
+            if tr.save_freq > 0 and (self.step_no % tr.save_freq == 0 or last):
+                with self.timer("save_checkpoint"):
+                    self.save()
+                metrics.update(self.timer.pop())
+            self.logger.log(self.step_no, metrics)
+            history.append(metrics)
         self.logger.close()
         return history
+
+
+def _max_memory_gb(device: str) -> float:
+    """Peak accelerator memory on GPU; on CPU the process's peak resident set (there is no
+    allocator counter), so the figure stays comparable between steps of one run."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])

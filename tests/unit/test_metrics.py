@@ -64,3 +64,32 @@ def test_logger_sinks(tmp_path):
     quiet = MetricsLogger(["file"], str(tmp_path / "other"), rank=1)
     quiet.log(1, {"a": 1.0})
     assert not (tmp_path / "other").exists()
+
+
+def test_logger_resume_drops_steps_after_the_checkpoint(tmp_path):
+    lg = MetricsLogger(["tensorboard", "file"], str(tmp_path), total_steps=4, stream=io.StringIO())
+    for step in (1, 2, 3):
+        lg.log(step, {"x": float(step)})
+    lg.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "x"')  # a line torn by the crash
+    resumed = MetricsLogger(["tensorboard", "file"], str(tmp_path), total_steps=4, stream=io.StringIO())
+    resumed.truncate_after(2)
+    resumed.log(3, {"x": 30.0})
+    resumed.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}, {"step": 3, "x": 30.0}]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_mfu_figures():
+    from megappo.metrics import mfu, peak_flops
+
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA GB200") == 2500e12 and peak_flops("Some CPU") is None
+    # 8B params, 1M tokens in 100 s on 8 H100s: 6*8e9*1e6 / (100*8*989e12) = 6.07%
+    assert mfu(8_000_000_000, 1e6, 100.0, 8, 989e12) == pytest.approx(0.0606673, rel=1e-5)

@@ -108,7 +108,7 @@ def _check(ckpt: SafetensorsCheckpoint, maps: list[ParamMap], desc: ModelDesc) -
     expected: dict[str, tuple] = {}
     for pm in maps:
         expected.update(hf_shapes(pm, desc))
-    optional = {"score.weight"} if desc.value_head else set()
+    optional = {"score.weight", "score.bias"} if desc.value_head else set()
     problems = []
     missing = sorted(n for n in expected if n not in have and n not in optional)
     if missing:

@@ -73,6 +73,7 @@ def param_maps(desc: ModelDesc, te: bool = False) -> list[ParamMap]:
     maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, where="last"))
     if desc.value_head:
         maps.append(ParamMap("output_layer.weight", ("score.weight",), "copy", None, where="last"))
+        maps.append(ParamMap("output_layer.bias", ("score.bias",), "copy", None, where="last"))
     elif not desc.tie_word_embeddings:
         maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", 0, where="last"))
     return maps
@@ -96,6 +97,8 @@ def full_shape(pm: ParamMap, desc: ModelDesc) -> tuple[int, ...]:
         return (d.head_dim,)
     if name == "output_layer.weight":  # value head
         return (1, d.hidden_size)
+    if name == "output_layer.bias":
+        return (1,)
     return (d.hidden_size,)
 
 

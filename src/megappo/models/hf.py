@@ -13,6 +13,10 @@ __all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "descri
            "transformer_config", "padded_vocab_size"]
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# Scalar-head models (critic exports, reward models): the same backbones with a one-label
+# ``score`` head, which only a value-head build can use.
+SCALAR_HEAD_ARCHITECTURES = {"Qwen3ForTokenClassification": "qwen3", "Qwen2ForTokenClassification": "qwen2",
+                             "LlamaForTokenClassification": "llama"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -69,6 +73,14 @@ def describe(hf_config, tp: int = 1, value_head: bool = False, vocab_divisible_b
     """Check that megappo supports the model and the TP size; collect the numbers. Errors name them."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    scalar = next((a for a in archs if a in SCALAR_HEAD_ARCHITECTURES), None)
+    if arch is None and scalar is not None:
+        if not value_head:
+            raise ModelConfigError(f"{scalar} is a scalar-head model (critic or reward model); a policy needs a "
+                                   f"causal LM ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        if getattr(hf_config, "num_labels", 1) != 1:
+            raise ModelConfigError(f"{scalar} with num_labels={hf_config.num_labels}; a value or reward head has one label")
+        arch = SCALAR_HEAD_ARCHITECTURES[scalar]
     if arch is None:
         raise ModelConfigError(f"unsupported architecture {archs or getattr(hf_config, 'model_type', '?')}; "
                                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -38,6 +38,7 @@ class QKRMSNorm(RMSNorm):
 class ValueHead(torch.nn.Module):
     """The critic's scalar head, used in place of the output layer of a GPTModel.
 
+    ``weight`` (1, hidden) and ``bias`` (1,) map to HF's ``score.weight`` / ``score.bias``.
     Replicated on every TP rank (one output cannot be split); under sequence parallelism the
     hidden states are gathered first. Init: N(0, 1/(hidden + 1)) from a generator seeded with
     ``seed`` so every rank holds the same head.
@@ -50,13 +51,16 @@ class ValueHead(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float32) / (config.hidden_size + 1) ** 0.5
         self.weight = torch.nn.Parameter(w.to(config.params_dtype))
+        # transformers' token-classification head (a one-label reward model, the critic export)
+        # has a bias; starting at zero it changes nothing until a checkpoint sets it.
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return torch.nn.functional.linear(hidden_states, self.weight), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def te_available() -> bool:

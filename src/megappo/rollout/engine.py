@@ -45,7 +45,7 @@ class SamplingConfig:
     do_sample: bool = True
     max_tokens: int = 512
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # prompt i of a call samples with seeds seed + i*n ... seed + i*n + n-1
 
     @classmethod
     def from_config(cls, rollout_cfg, max_tokens: int, validation: bool = False) -> "SamplingConfig":
@@ -173,7 +173,17 @@ class VLLMRollout:
         if self._sleeping:
             raise RuntimeError("the rollout engine is asleep and its weights were dropped: call sync_weights first")
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        outs = self.llm.generate(prompts, self._sampling_params(sampling), use_tqdm=False)
+        params = self._sampling_params(sampling)
+        if sampling.seed is not None:
+            # One seed per prompt (vLLM adds the sample index for each of the n children): prompts
+            # sharing a seed would share their random draws and give correlated samples.
+            base = params
+            params = []
+            for i in range(len(prompts)):
+                p = base.clone()
+                p.seed = sampling.seed + i * sampling.n
+                params.append(p)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         rows, lps, idx, reasons = [], [], [], []
         for i, o in enumerate(outs):
             if len(o.outputs) != sampling.n:
@@ -196,6 +206,11 @@ class VLLMRollout:
         eos = [] if sampling.ignore_eos else self.eos_token_ids
         mask = response_mask_from_ids(responses, eos, lengths)
         return RolloutOutput(torch.tensor(idx, dtype=torch.long), responses, mask, logp * mask, reasons)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV blocks. KV computed inside another batch differs from a fresh
+        computation in the last bits, so a call that reuses it does not reproduce exactly."""
+        self.llm.reset_prefix_cache()
 
     # -- weights ----------------------------------------------------------------------------
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20) -> dict:

@@ -274,3 +274,21 @@ class Critic(MegatronWorker):
         metrics = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["critic/vf_loss_per_minibatch"] = history["vf_loss"]
         return metrics
+
+
+class RewardModel(Critic):
+    """Outcome reward model: a critic-style scalar head read at the last token of each response
+    (verl's convention for megatron reward models), forward only."""
+
+    def compute_scores(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
+                       max_token_len: Optional[int] = None) -> torch.Tensor:
+        """(B, T) token-level scores: the model's output at each response's last token, placed
+        on that token; zero elsewhere (and for empty responses)."""
+        def per_sample(output, ids, mb):
+            n = mb.response_mask.sum(-1).long()
+            last = (mb.prompt_lengths + n - 1).clamp(max=output.shape[1] - 1)
+            score = output[:, :, 0].float().gather(1, last[:, None])
+            tls = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=score.device)
+            tls.scatter_(1, (n - 1).clamp(min=0)[:, None], score)
+            return tls * mb.response_mask.to(tls.device)
+        return self._forward(batch, micro_batch_size, max_token_len, per_sample)

@@ -1,0 +1,90 @@
+# Shared logic of the GPU recipes (launch/qwen3_8b.sh, launch/qwen2_5_0_5b_gsm8k.sh, ...).
+# A recipe sets its defaults with ': "${VAR:=value}"', then sources this file and calls
+# `megappo_launch "$@"`. Every knob is an environment variable mapped to a config override;
+# extra key=value arguments are passed through last (they win).
+#
+#   MODEL_PATH CRITIC_MODEL_PATH TRAIN_FILES VAL_FILES (comma-separated)  PARALLEL_CONFIG
+#   TRAIN_BATCH_SIZE PPO_MINI_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
+#   PPO_MAX_TOKEN_LEN_PER_GPU (actor, critic, reference, old-log-prob and vLLM token budgets)
+#   ACTOR_LR CRITIC_LR ROLLOUT_TP ROLLOUT_N ADV_ESTIMATOR TOTAL_EPOCHS SAVE_FREQ TEST_FREQ
+#   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
+#   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
+#   DRY_RUN=1 (print the resolved config and rank layout, start nothing)  PYTHON
+set -euo pipefail
+
+MEGAPPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$MEGAPPO_ROOT/.venv/bin/python" ]]; then PYTHON="$MEGAPPO_ROOT/.venv/bin/python"; else PYTHON=python; fi
+fi
+: "${NNODES:=1}" "${NGPUS_PER_NODE:=8}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
+: "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}"
+: "${CRITIC_TP:=$ACTOR_TP}" "${CRITIC_PP:=$ACTOR_PP}" "${CRITIC_MODEL_PATH:=$MODEL_PATH}"
+# megatron overlaps TP communication with compute only when kernels are issued in order.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+
+megappo_fail() { echo "megappo launch: $*" >&2; exit 2; }
+
+megappo_check_layout() {
+  local world=$((NNODES * NGPUS_PER_NODE))
+  (( NNODES >= 1 && NGPUS_PER_NODE >= 1 )) || megappo_fail "NNODES=$NNODES and NGPUS_PER_NODE=$NGPUS_PER_NODE must be >= 1"
+  (( world % (ACTOR_TP * ACTOR_PP) == 0 )) || megappo_fail \
+    "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
+  (( CRITIC_TP == ACTOR_TP && CRITIC_PP == ACTOR_PP )) || megappo_fail \
+    "CRITIC_TP=$CRITIC_TP/CRITIC_PP=$CRITIC_PP must equal ACTOR_TP=$ACTOR_TP/ACTOR_PP=$ACTOR_PP (one megatron parallel state per process)"
+  (( world % ROLLOUT_TP == 0 )) || megappo_fail \
+    "ROLLOUT_TP=$ROLLOUT_TP does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
+  (( NGPUS_PER_NODE % ROLLOUT_TP == 0 )) || megappo_fail \
+    "ROLLOUT_TP=$ROLLOUT_TP must divide NGPUS_PER_NODE=$NGPUS_PER_NODE (a vLLM replica stays inside one node)"
+}
+
+megappo_list() { local IFS=,; local a=($1); local IFS=,; echo "[${a[*]}]"; }
+
+megappo_args() {
+  MEGAPPO_ARGS=(
+    actor_rollout_ref.model.path="$MODEL_PATH" critic.model.path="$CRITIC_MODEL_PATH"
+    data.train_files="$(megappo_list "$TRAIN_FILES")" data.val_files="$(megappo_list "$VAL_FILES")"
+    data.train_batch_size="$TRAIN_BATCH_SIZE" actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
+    data.max_prompt_length="$MAX_PROMPT_LENGTH" data.max_response_length="$MAX_RESPONSE_LENGTH"
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    critic.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    actor_rollout_ref.rollout.max_num_batched_tokens="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    trainer.balance_batch=True
+    actor_rollout_ref.actor.optim.lr="$ACTOR_LR" critic.optim.lr="$CRITIC_LR"
+    actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP" actor_rollout_ref.rollout.n="$ROLLOUT_N"
+    algorithm.adv_estimator="$ADV_ESTIMATOR"
+    trainer.total_epochs="$TOTAL_EPOCHS" trainer.save_freq="$SAVE_FREQ" trainer.test_freq="$TEST_FREQ"
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$ACTOR_TP"
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$ACTOR_PP"
+    critic.megatron.tensor_model_parallel_size="$CRITIC_TP" critic.megatron.pipeline_model_parallel_size="$CRITIC_PP"
+    trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NGPUS_PER_NODE"
+  )
+}
+
+megappo_launch() {
+  megappo_check_layout
+  megappo_args
+  local cfg=(--config "$PARALLEL_CONFIG")
+  if [[ "$DRY_RUN" == 1 ]]; then
+    exec "$PYTHON" -m megappo.train "${cfg[@]}" --dry-run "${MEGAPPO_ARGS[@]}" "$@"
+  fi
+  case "$LAUNCHER" in
+    torchrun)
+      local rdzv=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --node_rank "$NODE_RANK")
+      if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+        rdzv=(--rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-megappo}")
+      fi
+      exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NGPUS_PER_NODE" "${rdzv[@]}" \
+        -m megappo.train "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@" ;;
+    ray)
+      exec "$PYTHON" -m megappo.launch.ray --nnodes "$NNODES" --nproc-per-node "$NGPUS_PER_NODE" -- \
+        "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@" ;;
+    slurm)
+      [[ -n "${SLURM_JOB_ID:-}" ]] || megappo_fail "LAUNCHER=slurm runs inside an allocation: sbatch launch/slurm.sbatch <recipe>"
+      exec srun --nodes "$NNODES" --ntasks-per-node 1 bash -c \
+        "exec \"$PYTHON\" -m torch.distributed.run --nnodes $NNODES --nproc_per_node $NGPUS_PER_NODE --node_rank \$SLURM_NODEID --master_addr $MASTER_ADDR --master_port $MASTER_PORT -m megappo.train $(printf '%q ' "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@")" ;;
+    *) megappo_fail "LAUNCHER=$LAUNCHER: expected torchrun, ray or slurm" ;;
+  esac
+}

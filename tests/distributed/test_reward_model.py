@@ -1,0 +1,57 @@
+"""The reward model worker reads a token-classification checkpoint (one label) and scores each
+response at its last token, as transformers computes it, under TP and PP."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from harness import spawn
+from mcore import build, setup
+
+pytestmark = pytest.mark.distributed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiny_models import hf_config  # noqa: E402
+from test_workers import _global_batch  # noqa: E402
+
+
+def _worker(rank, world, tp, pp, path, out_file):
+    setup(tp, pp)
+    from megappo.workers import RewardModel
+
+    info, cfg, chunks = build(path, tp, pp, value_head=True)
+    rm = RewardModel(chunks, cfg)
+    batch = _global_batch()
+    scores = rm.compute_scores(batch, micro_batch_size=4)
+    if rank == 0:
+        torch.save(scores, out_file)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
+def test_reward_model_scores_equal_transformers(tmp_path, tp, pp):
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(4)
+    cfg = hf_config("qwen3", num_labels=1)
+    cfg.architectures = ["Qwen3ForTokenClassification"]
+    hf = AutoModelForTokenClassification.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 0.5)  # a non-trivial head
+    hf.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
+
+    out = str(tmp_path / "s.pt")
+    spawn(_worker, tp * pp, tp, pp, str(tmp_path / "rm"), out)
+    got = torch.load(out)
+
+    batch = _global_batch()
+    n = batch.response_mask.sum(-1).long()
+    want = torch.zeros_like(got)
+    with torch.no_grad():
+        for i in range(len(batch)):
+            L = int(batch.prompt_lengths[i] + n[i])
+            logits = hf(input_ids=batch.input_ids[i:i + 1, :L]).logits[0, :, 0]
+            want[i, n[i] - 1] = logits[-1]
+    assert got.shape == batch.responses.shape
+    assert (got != 0).sum(-1).tolist() == [1] * len(batch)  # one score per response, at its last token
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

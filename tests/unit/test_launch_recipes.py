@@ -1,0 +1,44 @@
+"""GPU recipes over launch/common.sh: DRY_RUN=1 prints the resolved config and the rank layout;
+a layout that does not divide the world fails naming the variables, before anything starts."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dry(script, **env):
+    e = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", str(REPO / "launch" / script), "trainer.total_training_steps=7"],
+                          capture_output=True, text=True, env=e, timeout=120)
+
+
+def _config(stdout):
+    text = stdout.split("# resolved configuration\n", 1)[1].split("# layout:", 1)[0]
+    return yaml.safe_load(text)
+
+
+def test_gsm8k_recipe_resolves_verls_reference_settings():
+    p = _dry("qwen2_5_0_5b_gsm8k.sh", TRAIN_FILES="/data/a.parquet,/data/b.parquet")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    assert cfg["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg["critic"]["model"]["path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg["data"]["train_files"] == ["/data/a.parquet", "/data/b.parquet"]
+    assert cfg["data"]["train_batch_size"] == 256 and cfg["data"]["max_prompt_length"] == 512
+    assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6 and cfg["critic"]["optim"]["lr"] == 1e-5
+    assert cfg["actor_rollout_ref"]["actor"]["use_dynamic_bsz"] is True
+    assert cfg["actor_rollout_ref"]["rollout"]["max_num_batched_tokens"] == 16384
+    assert cfg["algorithm"]["adv_estimator"] == "gae" and cfg["trainer"]["total_training_steps"] == 7
+    assert "# layout: world=8 (1 node(s) x 8) | train: TP=1 PP=1 DP=8 | rollout: TP=1 DP=8" in p.stdout
+
+
+def test_layout_not_dividing_the_world_names_the_variables():
+    p = _dry("qwen2_5_0_5b_gsm8k.sh", ACTOR_TP="4", NGPUS_PER_NODE="6")
+    assert p.returncode == 2 and "resolved configuration" not in p.stdout
+    assert "ACTOR_TP=4 x ACTOR_PP=1 = 4 does not divide the world NNODES=1 x NGPUS_PER_NODE=6 = 6" in p.stderr
+    p = _dry("qwen2_5_0_5b_gsm8k.sh", ROLLOUT_TP="3")
+    assert p.returncode == 2 and "ROLLOUT_TP=3 does not divide" in p.stderr
