@@ -3,8 +3,9 @@ under another TP/PP) and the trainer's own state, published atomically.
 
 Layout under ``root``::
 
-    global_step_N/actor/         dist_checkpointing folder
+    global_step_N/actor/         dist_checkpointing folder (+ huggingface/: source config, tokenizer)
     global_step_N/critic/        (when the run has a critic)
+    global_step_N/rank_state/    rank_<r>.pt: each rank's RNG states
     global_step_N/trainer_state.json
     latest                       "N": written last, by rename, so it never names a partial save
 
@@ -162,10 +163,25 @@ def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, "rank_state", f"rank_{rank}.pt")
 
 
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+            "chat_template.jinja")
+
+
+def copy_hf_files(src: str, dst: str) -> None:
+    """The source model's config, generation config and tokenizer files (no weights): what a
+    converter needs to turn the checkpoint back into a HuggingFace folder."""
+    os.makedirs(dst, exist_ok=True)
+    for name in HF_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
 def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None,
-                    per_rank_state: Optional[dict] = None) -> str:
+                    per_rank_state: Optional[dict] = None, hf_sources: Optional[dict] = None) -> str:
     """Save every worker and the trainer state as ``global_step_<step>``; publish atomically.
-    ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``."""
+    ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``;
+    ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer)."""
     final = os.path.join(root, f"global_step_{step}")
     tmp = os.path.join(root, f".tmp_global_step_{step}")
     if _rank0():
@@ -180,6 +196,8 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
         torch.save(per_rank_state, _rank_file(tmp, rank))
     _barrier()
     if _rank0():
+        for name, src in (hf_sources or {}).items():
+            copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": step, **trainer_state}, f)
             f.flush()

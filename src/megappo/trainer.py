@@ -336,8 +336,11 @@ class PPOTrainer:
         tr = self.cfg.trainer
         keep = [k for k in (tr.max_actor_ckpt_to_keep, tr.max_critic_ckpt_to_keep) if k]
         root = os.path.expanduser(tr.default_local_dir)
+        hf = {"actor": os.path.expanduser(self.cfg.actor_rollout_ref.model.path)}
+        if self.critic is not None:
+            hf["critic"] = os.path.expanduser(self.cfg.critic.model.path)
         return save_checkpoint(root, self.step_no, self._workers(), self.trainer_state(),
-                               max_to_keep=min(keep) if keep else None, per_rank_state=_rng_state())
+                               max_to_keep=min(keep) if keep else None, per_rank_state=_rng_state(), hf_sources=hf)
 
     def resume(self) -> Optional[str]:
         """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""

@@ -67,6 +67,8 @@ def test_resumed_run_continues_with_the_same_metrics(straight, tmp_path):
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data"]["position"] == 2
     assert sorted(os.listdir(run / "global_step_2")) == ["actor", "critic", "rank_state", "trainer_state.json"]
+    hf = sorted(os.listdir(run / "global_step_2" / "actor" / "huggingface"))
+    assert "config.json" in hf and "tokenizer.json" in hf and not any(f.endswith(".safetensors") for f in hf)
 
     # The run that died after step 3 (its step-3 line is in metrics.jsonl, its checkpoint is 2).
     crashed = tmp_path / "crashed"
