@@ -83,8 +83,13 @@ megappo_launch() {
         "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@" ;;
     slurm)
       [[ -n "${SLURM_JOB_ID:-}" ]] || megappo_fail "LAUNCHER=slurm runs inside an allocation: sbatch launch/slurm.sbatch <recipe>"
-      exec srun --nodes "$NNODES" --ntasks-per-node 1 bash -c \
-        "exec \"$PYTHON\" -m torch.distributed.run --nnodes $NNODES --nproc_per_node $NGPUS_PER_NODE --node_rank \$SLURM_NODEID --master_addr $MASTER_ADDR --master_port $MASTER_PORT -m megappo.train $(printf '%q ' "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@")" ;;
+      # One torchrun per node; each learns its node rank from SLURM_NODEID at run time.
+      local cmd
+      cmd="$(printf '%q ' "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NGPUS_PER_NODE" \
+        --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")"
+      cmd+='--node_rank "$SLURM_NODEID" '
+      cmd+="$(printf '%q ' -m megappo.train "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@")"
+      exec srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
     *) megappo_fail "LAUNCHER=$LAUNCHER: expected torchrun, ray or slurm" ;;
   esac
 }

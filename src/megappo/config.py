@@ -284,6 +284,7 @@ class TrainerConfig:
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many actor checkpoints; null keeps all.")
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many critic checkpoints; null keeps all.")
+    dist_timeout_s: int = _f(1800, "Seconds a rank waits in start-up or in a collective before failing (a dead or hung peer).")
 
 
 @dataclass
@@ -855,6 +856,7 @@ def validate(
         v = get(cfg, key)
         need(v == -1 or v >= 1, key, f"must be -1 (disabled) or a positive number of steps, got {v}")
     need(tr.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {tr.critic_warmup}")
+    need(tr.dist_timeout_s >= 1, "trainer.dist_timeout_s", f"must be >= 1 second, got {tr.dist_timeout_s}")
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     need(bool(tr.resume_mode), "trainer.resume_mode", "must be disable, auto, resume_path or a checkpoint path")

@@ -73,8 +73,16 @@ def main(argv=None) -> int:
         return 0
     from megappo.trainer import PPOTrainer, init_distributed
 
-    init_distributed(cfg)
-    PPOTrainer(cfg).fit()
+    try:
+        init_distributed(cfg)
+        PPOTrainer(cfg).fit()
+    except BaseException as e:
+        # One line naming the rank before the traceback: with hundreds of ranks, the first
+        # failure is the one to read (torchrun's summary and the Ray launcher point at it).
+        if not isinstance(e, SystemExit) or e.code not in (0, None):
+            print(f"megappo: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+        raise
     return 0
 
 

@@ -28,7 +28,7 @@ def init_distributed(cfg: PPOConfig) -> None:
         backend = "gloo" if cfg.trainer.device == "cpu" else "nccl"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s))
     from megappo.models import initialize_parallel
 
     m = cfg.actor_rollout_ref.actor.megatron

@@ -99,6 +99,8 @@ def test_grpo_with_kl_loss_and_kl_in_reward(tmp_path):
     p = make_tiny_setup(str(tmp_path / "tiny"))
     spawn(_grpo_worker, 2, p["model"], p["train"], p["test"], str(tmp_path / "run"))
     rows = read_metrics(tmp_path / "run")
+    assert rows[0] == {"step": 0, VAL: rows[0][VAL]}  # validation before training
+    rows = rows[1:]
     assert len(rows) == 3
     for key in REQUIRED + ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"]:
         assert key in rows[-1] and math.isfinite(rows[-1][key]), key
