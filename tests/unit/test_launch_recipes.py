@@ -42,3 +42,44 @@ def test_layout_not_dividing_the_world_names_the_variables():
     assert "ACTOR_TP=4 x ACTOR_PP=1 = 4 does not divide the world NNODES=1 x NGPUS_PER_NODE=6 = 6" in p.stderr
     p = _dry("qwen2_5_0_5b_gsm8k.sh", ROLLOUT_TP="3")
     assert p.returncode == 2 and "ROLLOUT_TP=3 does not divide" in p.stderr
+
+
+def test_qwen3_8b_dry_run_shows_the_layout_for_the_given_nodes():
+    p = _dry("qwen3_8b.sh", ACTOR_TP="2", ACTOR_PP="2", NNODES="2", NGPUS_PER_NODE="8")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    meg = cfg["actor_rollout_ref"]["actor"]["megatron"]
+    assert (meg["tensor_model_parallel_size"], meg["pipeline_model_parallel_size"]) == (2, 2)
+    assert cfg["critic"]["megatron"]["tensor_model_parallel_size"] == 2
+    assert cfg["data"]["train_files"] == [os.path.expanduser("~/data/gsm8k/train.parquet"),
+                                          os.path.expanduser("~/data/math/train.parquet")]
+    assert cfg["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] == 24576
+    assert cfg["critic"]["ppo_max_token_len_per_gpu"] == 24576
+    assert cfg["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"] == 2
+    assert cfg["trainer"]["balance_batch"] is True and cfg["trainer"]["save_freq"] == 20
+    assert "# layout: world=16 (2 node(s) x 8) | train: TP=2 PP=2 DP=4 | rollout: TP=2 DP=8" in p.stdout
+    p = _dry("qwen3_32b.sh")
+    assert "train: TP=8 PP=2 VPP=2 DP=2" in p.stdout, p.stderr
+
+
+def test_ray_launcher_rank_plan_keeps_nodes_contiguous():
+    from megappo.launch.ray import rank_plan
+
+    plan = rank_plan(["b", "a", "b", "a"], {"a": "10.0.0.1", "b": "10.0.0.2"})
+    assert [(p["bundle"], p["ip"], p["local_rank"], p["node_rank"]) for p in plan] == [
+        (0, "10.0.0.2", 0, 0), (2, "10.0.0.2", 1, 0), (1, "10.0.0.1", 0, 1), (3, "10.0.0.1", 1, 1)]
+
+
+def test_ray_launcher_rejects_a_bad_config_before_starting_ray(capsys):
+    import pytest
+
+    from megappo.launch import ray as launcher
+
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--nnodes", "1", "--nproc-per-node", "2", "--", "data.train_batch_size=-3"])
+    assert e.value.code == 2
+    assert "data.train_batch_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--nnodes", "2", "--nproc-per-node", "2", "--"])  # tiny_cpu preset: 1 node x 2
+    assert e.value.code == 2
+    assert "trainer.nnodes x trainer.n_gpus_per_node = 2" in capsys.readouterr().err
