@@ -1,0 +1,115 @@
+"""Command lines of checkpoints_tools/: argument parsing and error reporting only.
+
+A problem with the inputs (a path that is not a checkpoint, an unfinished save, a config that
+does not match the tensors, no disk space) ends the program with exit code 2 and one line on
+stderr naming the path and the problem; a verification above tolerance exits with 1.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional
+
+__all__ = ["convert_to_hf_main", "convert_from_hf_main", "verify_main"]
+
+_DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+
+
+def _run(prog: str, body: Callable[[], int]) -> int:
+    from .megatron_ckpt import ConvertError
+
+    try:
+        return body()
+    except ConvertError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def convert_to_hf_main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="convert_to_hf.py", description="Export a megappo (Megatron) checkpoint as a HuggingFace model folder.")
+    p.add_argument("--ckpt", required=True,
+                   help="<run_dir>/global_step_N/actor (or .../critic with --critic); a global_step_N folder or a run "
+                        "folder (its latest step) also work")
+    p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    p.add_argument("--hf-config", default=None,
+                   help="source HF model folder or config.json (default: <ckpt>/huggingface, saved by the trainer)")
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default=None, help="weights dtype (default: the source config's)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--critic", action="store_true",
+                   help="export the critic (value model) as *ForTokenClassification with one label")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+
+    def body() -> int:
+        from .hf_export import export_hf, human
+
+        r = export_hf(a.ckpt, a.out, hf_config=a.hf_config, dtype=a.dtype, max_shard_size=a.max_shard_size,
+                      critic=a.critic, progress=not a.quiet)
+        print(f"wrote {r['out']}: {r['tensors']} tensors, {human(r['bytes'])} in {len(r['files'])} safetensors "
+              f"file(s), {r['dtype']} (from {r['ckpt']})")
+        return 0
+
+    return _run("convert_to_hf", body)
+
+
+def convert_from_hf_main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="convert_from_hf.py",
+        description="Write a HuggingFace model as an initial megappo (Megatron) checkpoint: model weights only.")
+    p.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output checkpoint folder (must not exist, or be empty)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size it is meant for (vocabulary padding, checks)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size it is meant for (checks)")
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="fp32", help="stored dtype (default fp32)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    if a.tp < 1 or a.pp < 1:
+        p.error("--tp and --pp must be at least 1")
+
+    def body() -> int:
+        from .hf_export import human, import_hf
+
+        r = import_hf(a.hf, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype, progress=not a.quiet)
+        print(f"wrote {r['out']}: {human(r['bytes'])} of model weights, {r['dtype']}, vocabulary padded to "
+              f"{r['padded_vocab_size']}")
+        return 0
+
+    return _run("convert_from_hf", body)
+
+
+def verify_main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="verify.py", description="Compare a megappo checkpoint with an HF model on a few random sequences.")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder (as for convert_to_hf.py)")
+    p.add_argument("--hf", required=True, help="HF model folder")
+    p.add_argument("--critic", action="store_true", help="compare the critic's values with a token-classification model")
+    p.add_argument("--atol", type=float, default=None,
+                   help="largest allowed difference (default 1e-5 for fp32 HF weights, 1e-1 for bf16/fp16)")
+    p.add_argument("--num-seqs", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    def body() -> int:
+        import json
+        import os
+
+        from .verify import compare_checkpoint_with_hf
+
+        r = compare_checkpoint_with_hf(a.ckpt, a.hf, critic=a.critic, num_seqs=a.num_seqs, seq_len=a.seq_len,
+                                       seed=a.seed)
+        atol = a.atol
+        if atol is None:
+            with open(os.path.join(r["hf"], "config.json")) as f:
+                stored = json.load(f).get("dtype") or "float32"
+            atol = 1e-5 if stored in ("float32", None) else 1e-1
+        ok = r["max_abs_diff"] <= atol
+        print(f"max |{r['what']} difference| = {r['max_abs_diff']:.3e} over {r['num_seqs']} sequences x "
+              f"{r['positions']} positions (atol {atol:g}): {'OK' if ok else 'FAIL'}")
+        return 0 if ok else 1
+
+    return _run("verify", body)

@@ -1,0 +1,356 @@
+"""Megatron dist_checkpointing folders read and written in ONE process.
+
+A megappo worker checkpoint (``global_step_N/actor``, ``global_step_N/critic``) stores every
+model tensor under a layout-independent key: the decoder layers of one parameter are stacked
+along a leading layer axis (``decoder.layers.mlp.linear_fc1.weight``: (layers, 2F, hidden)),
+TP shards sit at their global offsets. Whatever TP/PP saved it, a single process can therefore
+request any piece at its full (TP=1) shape and dist_checkpointing re-assembles it from the
+shards: :func:`iter_hf_groups` reads one decoder layer at a time and turns it into HF tensors
+with the maps of :mod:`megappo.convert.names`. :func:`save_from_hf` writes such a folder from an
+HF model by building the model once at TP1PP1 and saving its sharded state dict, so the folder
+holds exactly the keys a trainer's model asks for.
+
+Path checks (:func:`resolve_checkpoint`) import neither megatron nor torch.distributed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import warnings
+from typing import Iterator, Optional
+
+import torch
+
+from .names import ModelDesc, ParamMap, full_shape, param_maps, to_hf
+
+__all__ = ["ConvertError", "resolve_checkpoint", "checkpoint_tensors", "checkpoint_desc", "hf_config_dir",
+           "iter_hf_groups", "save_from_hf", "load_model_weights", "single_process_group", "is_out_of_space",
+           "DTYPES", "quiet_warnings", "read_json", "ckpt_key", "layer_groups"]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Hidden siblings of a step folder: a save in progress (.tmp_), one being replaced (.old_), ...
+_HIDDEN_STEP = re.compile(r"^\.[A-Za-z]+_global_step_\d+$")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_TE_PROBE = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+
+
+class ConvertError(RuntimeError):
+    """A conversion that cannot go ahead: the message names the path and the problem (one line)."""
+
+
+# -- which folder ------------------------------------------------------------------------------
+def _is_worker_dir(p: str) -> bool:
+    return any(os.path.exists(os.path.join(p, f)) for f in ("metadata.json", ".metadata", "common.pt"))
+
+
+def _read_latest(run_dir: str) -> Optional[int]:
+    f = os.path.join(run_dir, "latest")
+    if not os.path.isfile(f):
+        return None
+    text = open(f).read().strip()
+    if not text.isdigit():
+        raise ConvertError(f"{f}: expected a step number, found {text!r}")
+    return int(text)
+
+
+def resolve_checkpoint(path: str, critic: bool = False) -> str:
+    """The dist_checkpointing folder to read, checked to be a finished, published checkpoint.
+
+    ``path`` is a worker folder (``<run_dir>/global_step_N/actor``), a ``global_step_N`` folder
+    (its ``actor/``, or ``critic/`` with ``critic``), or a run folder (the step its ``latest``
+    file names). A worker folder inside a trainer run must belong to a published step: not a
+    ``.tmp_global_step_N`` save in progress, and ``<run_dir>/latest`` names N or a later step.
+    A stand-alone folder (e.g. written by convert_from_hf) needs its ``metadata.json``, which
+    dist_checkpointing writes last.
+    """
+    worker = "critic" if critic else "actor"
+    p = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(p):
+        raise ConvertError(f"{path}: not a checkpoint directory (it does not exist)")
+    if not os.path.isdir(p):
+        raise ConvertError(f"{path}: not a checkpoint directory (it is a file)")
+    if not _is_worker_dir(p) and os.path.isfile(os.path.join(p, "latest")):  # a run folder
+        step = _read_latest(p)
+        p = os.path.join(p, f"global_step_{step}")
+        if not os.path.isdir(p):
+            raise ConvertError(f"{path}: latest names step {step}, but {p} does not exist")
+    base = os.path.basename(p)
+    if not _is_worker_dir(p) and (_STEP_DIR.match(base) or _HIDDEN_STEP.match(base) or base.startswith(".tmp_")):
+        p = os.path.join(p, worker)
+        if not os.path.isdir(p):
+            raise ConvertError(f"{path}: not a checkpoint directory (no {worker}/ in it"
+                               + ("" if critic else "; for the value model pass --critic") + ")")
+    for part in p.split(os.sep):
+        if part.startswith(".tmp_") or _HIDDEN_STEP.match(part):
+            raise ConvertError(f"{path}: unfinished checkpoint ({part} is not a published step: a save in progress, "
+                               f"an interrupted one or one being replaced; only global_step_N folders can be read)")
+    if not os.path.isfile(os.path.join(p, "metadata.json")):
+        if _is_worker_dir(p):
+            raise ConvertError(f"{path}: unfinished checkpoint (no metadata.json: the save did not complete)")
+        raise ConvertError(f"{path}: not a checkpoint directory (no metadata.json; expected a megatron "
+                           f"dist_checkpointing folder such as <run_dir>/global_step_N/{worker})")
+    parent = os.path.dirname(p)
+    m = _STEP_DIR.match(os.path.basename(parent))
+    if m:
+        run_dir, step = os.path.dirname(parent), int(m.group(1))
+        latest = _read_latest(run_dir)
+        if latest is None:
+            raise ConvertError(f"{path}: unfinished checkpoint (not published: {run_dir}/latest is missing)")
+        if latest < step:
+            raise ConvertError(f"{path}: unfinished checkpoint (not published: {run_dir}/latest names step "
+                               f"{latest}, not {step} or later)")
+    return p
+
+
+def hf_config_dir(ckpt: str, hf_config: Optional[str]) -> str:
+    """Folder holding the HF config.json to describe the checkpoint with (``--hf-config``: a
+    folder or a config.json path; default: the checkpoint's own ``huggingface/``)."""
+    if hf_config is None:
+        d = os.path.join(ckpt, "huggingface")
+        if not os.path.isfile(os.path.join(d, "config.json")):
+            raise ConvertError(f"{ckpt}: no huggingface/config.json in the checkpoint; pass --hf-config "
+                               f"<the source HF model folder>")
+        return d
+    p = os.path.abspath(os.path.expanduser(hf_config))
+    if os.path.isfile(p) and os.path.basename(p) == "config.json":
+        return os.path.dirname(p)
+    if not os.path.isfile(os.path.join(p, "config.json")):
+        raise ConvertError(f"{hf_config}: no config.json (expected an HF model folder or its config.json)")
+    return p
+
+
+# -- what the checkpoint holds -------------------------------------------------------------------
+def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Model tensors of a worker checkpoint: key -> (global shape, dtype); optimizer state left out."""
+    with quiet_warnings():
+        from megatron.core import dist_checkpointing
+
+        try:
+            md = dist_checkpointing.load_tensors_metadata(path)
+        except Exception as e:
+            raise ConvertError(f"{path}: cannot read the checkpoint metadata: {_one_line(e)}") from e
+    return {k: (tuple(v.global_shape), v.dtype) for k, v in md.items() if not k.startswith("optimizer.")}
+
+
+def ckpt_key(pm: ParamMap) -> str:
+    """Checkpoint key of a parameter: layers lose their index (it becomes the leading axis)."""
+    m = _LAYER_KEY.match(pm.megatron)
+    return f"decoder.layers.{m.group(2)}" if m else pm.megatron
+
+
+def checkpoint_desc(path: str, tensors: dict, hf_config, config_path: str, value_head: bool) -> tuple[ModelDesc, bool]:
+    """Describe the checkpoint with the HF config and check every tensor shape against it.
+    Returns the description (its padded vocabulary as saved) and whether names are TE-style."""
+    from megappo.models.hf import ModelConfigError, describe
+
+    try:
+        desc = describe(hf_config, tp=1, value_head=value_head).desc
+    except ModelConfigError as e:
+        raise ConvertError(f"{config_path}: {e}") from e
+    te = _TE_PROBE in tensors or "decoder.layers.input_layernorm.weight" not in tensors
+    emb = tensors.get("embedding.word_embeddings.weight")
+    if emb is not None and len(emb[0]) == 2 and emb[0][0] >= desc.vocab_size:
+        desc = dataclasses.replace(desc, padded_vocab_size=emb[0][0])
+    problems, expected = [], set()
+    for pm in param_maps(desc, te):
+        key = ckpt_key(pm)
+        if key in expected:
+            continue
+        expected.add(key)
+        want = full_shape(pm, desc)
+        if pm.layer is not None:
+            want = (desc.num_layers, *want)
+        if key not in tensors:
+            problems.append(f"{key} is missing from the checkpoint (the config expects shape {want})")
+        elif tuple(tensors[key][0]) != tuple(want):
+            problems.append(f"{key} is {tuple(tensors[key][0])} in the checkpoint, the config gives {want}")
+    extra = sorted(k for k in tensors if k not in expected)
+    if extra:
+        problems.append("tensors the config does not describe: " + ", ".join(extra))
+    if problems:
+        hint = ""
+        head = tensors.get("output_layer.weight")
+        if not value_head and head is not None and head[0][0] == 1:
+            hint = " (this looks like a critic checkpoint: pass --critic)"
+        elif value_head and "output_layer.bias" not in tensors:
+            hint = " (this does not look like a critic checkpoint: drop --critic)"
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConvertError(f"{path}: architecture mismatch with {config_path}{hint}: " + "; ".join(problems[:3]) + more)
+    return desc, te
+
+
+def layer_groups(desc: ModelDesc, te: bool) -> list[list[ParamMap]]:
+    """The parameters in reading order: embedding, one group per decoder layer, final norm + head."""
+    groups: dict = {}
+    for pm in param_maps(desc, te):
+        key = pm.layer if pm.layer is not None else pm.where  # "first" / "last" outside the layers
+        groups.setdefault(key, []).append(pm)
+    return list(groups.values())
+
+
+# -- reading -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def single_process_group():
+    """A world of one (gloo, in-memory store) for dist_checkpointing, unless one already exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConvertError("the converter runs in a single process; this one is part of a "
+                               f"{dist.get_world_size()}-process job")
+        yield
+        return
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _request(pm: ParamMap, desc: ModelDesc, dtype: torch.dtype):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    shape = full_shape(pm, desc)
+    if pm.layer is None:
+        return ShardedTensor.from_rank_offsets(ckpt_key(pm), torch.empty(shape, dtype=dtype), replica_id=0)
+    # A (1, ...) piece at the layer's offset of the stacked tensor. (megatron's own prepend_axis
+    # form takes torch's legacy sharded-tensor path, which needs every layer on some rank.)
+    return ShardedTensor.from_rank_offsets(ckpt_key(pm), torch.empty((1, *shape), dtype=dtype),
+                                           (0, pm.layer, desc.num_layers), replica_id=0)
+
+
+def iter_hf_groups(path: str, desc: ModelDesc, te: bool, tensors: dict,
+                   dtype: Optional[torch.dtype] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the HF tensors of the checkpoint, one group (embedding, a decoder layer, the final
+    norm and head) at a time, each group read with one partial dist_checkpointing load.
+    Call inside :func:`single_process_group`."""
+    from megatron.core import dist_checkpointing
+
+    for group in layer_groups(desc, te):
+        request = {pm.megatron: _request(pm, desc, tensors[ckpt_key(pm)][1]) for pm in group}
+        with quiet_warnings():
+            try:
+                state = dist_checkpointing.load(request, path, validate_access_integrity=False)
+            except Exception as e:
+                raise ConvertError(f"{path}: cannot read {', '.join(sorted({ckpt_key(pm) for pm in group}))}"
+                                   f"{'' if group[0].layer is None else f' (layer {group[0].layer})'}: "
+                                   f"{_one_line(e)}") from e
+        out = []
+        for pm in group:
+            full = state[pm.megatron]
+            if pm.layer is not None:
+                full = full[0]
+            for name, t in to_hf(pm, full, desc).items():
+                out.append((name, (t if dtype is None else t.to(dtype)).contiguous()))
+        del state, request
+        yield out
+
+
+# -- writing -------------------------------------------------------------------------------------
+def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32, progress: bool = True) -> int:
+    """Write the HF safetensors model as a megatron checkpoint folder ``out``: model weights only,
+    exactly what a trainer's ``save_worker`` writes for the model (the same keys, extra-state
+    objects included), so it loads at any TP/PP whose padded vocabulary is the one ``info``
+    describes. Builds the model once at TP1PP1 on the CPU and loads the HF weights into it
+    (megappo's own loader); holds the whole model in memory. Returns the bytes of weights.
+    Call inside :func:`single_process_group`; ``out`` must exist and be empty."""
+    from tqdm import tqdm
+
+    from megappo import megatron_cpu
+    from megappo.models import build_model, initialize_parallel, transformer_config
+
+    from .hf_io import Layout, WeightLoadError, load_hf_weights
+
+    bar = tqdm(total=3, desc="build model", disable=not progress)
+    with quiet_warnings():
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        if not torch.cuda.is_available():
+            megatron_cpu.install()
+        initialize_parallel(1, 1)
+        try:
+            cfg = transformer_config(info, tp=1, pp=1, params_dtype=dtype, cpu=True)
+            chunks = build_model(info, cfg, use_te=False)
+            bar.update()
+            bar.set_description("load HF weights")
+            try:
+                load_hf_weights(chunks, hf_dir, info.desc, Layout(), te=False)
+            except WeightLoadError as e:
+                raise ConvertError(_one_line(e)) from e
+            bar.update()
+            bar.set_description("save checkpoint")
+            dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out)
+            bar.update()
+        finally:
+            ps.destroy_model_parallel()
+    bar.close()
+    return sum(p.numel() * p.element_size() for p in chunks[0].parameters())
+
+
+def load_model_weights(chunks, path: str) -> None:
+    """Load a checkpoint's model weights (a trainer checkpoint's ``actor``/``critic`` folder, or
+    one written by convert_from_hf) into model chunks built at any TP/PP; optimizer state, if
+    any, is left alone. Collective over the model's ranks, like megatron's load."""
+    from megatron.core import dist_checkpointing
+
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    request = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
+    with quiet_warnings():
+        try:
+            state = dist_checkpointing.load(request, path)
+        except Exception as e:
+            raise ConvertError(f"{path}: cannot load the model weights: {_one_line(e)}") from e
+    for k, c in zip(keys, chunks):
+        c.load_state_dict(state[k], strict=False)
+
+
+# -- small helpers -------------------------------------------------------------------------------
+def is_out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it, or a per-rank failure it carries) is ENOSPC/EDQUOT."""
+    import errno
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(x):
+            return True
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+    return False
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return f"{type(e).__name__}: {text}" if not isinstance(e, (ConvertError, ValueError)) else text
+
+
+@contextlib.contextmanager
+def quiet_warnings():
+    """megatron's import-time notices (no TE/apex) and torch DCP's deprecation notices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: unreadable JSON: {e}") from e
