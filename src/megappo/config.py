@@ -462,14 +462,17 @@ def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
+        out = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            out = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.strip())  # YAML 1.1 reads 1e-6 as a string
+                out = float(value.strip())  # YAML 1.1 reads 1e-6 as a string
             except ValueError:
                 pass
-        raise ValueError(f"expected a number, got {value!r}")
+        if out is None or math.isnan(out):  # NaN passes no comparison: it would slip past every rule
+            raise ValueError(f"expected a number, got {value!r}")
+        return out
     if tp is str:
         if isinstance(value, str):
             v = value.strip() if from_text else value
@@ -576,22 +579,64 @@ def _preset_path(name: str) -> Path:
     return PRESETS_DIR / f"{name}.yaml"
 
 
-def _read_yaml(path: Path, errors: list) -> Optional[dict]:
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line naming the file, the line and column YAML points at, and what it expected."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or not problem:
+        return f"cannot parse '{path}' as YAML: {' '.join(str(e).split())}"
+    msg = f"cannot parse '{path}' as YAML: line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        msg += f" ({context}" + (f" started at line {cmark.line + 1}" if cmark is not None else "") + ")"
+    return msg
+
+
+def _yaml_key_lines(text: str) -> dict[str, int]:
+    """1-based line of every (dotted) key path in a YAML mapping, for error messages."""
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                path = prefix + str(k.value)
+                lines.setdefault(path, k.start_mark.line + 1)
+                walk(v, path + ".")
+
+    try:
+        walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    except yaml.YAMLError:  # pragma: no cover - the file parsed a moment ago
+        pass
+    return lines
+
+
+def _read_yaml(path: Path, errors: list) -> Optional[tuple[dict, dict[str, int]]]:
+    """(mapping, {key path: line}) of a config file; problems go to ``errors``."""
     if not path.is_file():
         known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
         errors.append(("--config", f"config file '{path}' not found (built-in presets: {', '.join(known)})"))
         return None
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        errors.append(("--config", f"cannot parse '{path}': {e}"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        errors.append(("--config", f"cannot parse '{path}': line {line} is not UTF-8 text "
+                                   f"(byte 0x{raw[e.start]:02x} at offset {e.start})"))
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        errors.append(("--config", _yaml_error(path, e)))
         return None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         errors.append(("--config", f"'{path}' must hold a mapping of config keys, got {type(data).__name__}"))
         return None
-    return data
+    return data, _yaml_key_lines(text)
 
 
 def load_config(
@@ -609,16 +654,17 @@ def load_config(
     cfg = PPOConfig()
     for name in config_files:
         path = _preset_path(name)
-        data = _read_yaml(path, errs)
-        if data is not None:
+        read = _read_yaml(path, errs)
+        if read is not None:
+            data, lines = read
             sub: list = []
             apply_mapping(cfg, data, errors=sub)
-            errs += [(k, f"{m} (in {path})") for k, m in sub]
+            errs += [(k, f"{m} (in {path}" + (f", line {lines[k]})" if k in lines else ")")) for k, m in sub]
     for text in overrides:
         try:
             apply_override(cfg, text)
         except KeyError as e:
-            errs.append(("", e.args[0]))
+            errs.append((text.split("=", 1)[0].strip().lstrip("+"), e.args[0]))
         except ValueError as e:
             key = text.split("=", 1)[0].strip().lstrip("+") if "=" in text else ""
             errs.append((key, str(e).split(": ", 1)[-1] if key else str(e)))
@@ -732,7 +778,8 @@ def validate(
     if layout_ok:
         layout_ok = need(world % (tp * pp) == 0, A + "megatron.tensor_model_parallel_size",
                          f"world size {world} (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by "
-                         f"TP x PP = {tp} x {pp} = {tp * pp}")
+                         f"TP x PP = {tp} x {pp} = {tp * pp} ({A}megatron.tensor_model_parallel_size x "
+                         f"{A}megatron.pipeline_model_parallel_size)")
     if vpp is not None and vpp >= 1:
         need(pp > 1, A + "megatron.virtual_pipeline_model_parallel_size",
              f"the interleaved schedule needs pipeline_model_parallel_size > 1 (is {pp}); set it to null")
@@ -803,7 +850,8 @@ def validate(
         need(getattr(act, key) >= 0, A + key, f"must be >= 0, got {getattr(act, key)}")
     need(al.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {al.kl_ctrl.kl_coef}")
     if al.kl_ctrl.type == "adaptive":
-        need(al.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "the adaptive controller needs target_kl > 0")
+        need(al.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl",
+             f"the adaptive controller needs target_kl > 0, got {al.kl_ctrl.target_kl}")
     for key in ("algorithm.gamma", "algorithm.lam"):
         v = get(cfg, key)
         need(0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
@@ -859,14 +907,17 @@ def validate(
     need(tr.dist_timeout_s >= 1, "trainer.dist_timeout_s", f"must be >= 1 second, got {tr.dist_timeout_s}")
     if tr.resume_mode == "resume_path":
         need(bool(tr.resume_from_path), "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
-    need(bool(tr.resume_mode), "trainer.resume_mode", "must be disable, auto, resume_path or a checkpoint path")
-    need(bool(d.train_files), "data.train_files", "needs at least one file")
+    need(bool(tr.resume_mode), "trainer.resume_mode",
+         f"must be disable, auto, resume_path or a checkpoint path, got {tr.resume_mode!r}")
+    need(bool(d.train_files), "data.train_files", "needs at least one file, got an empty list")
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
         need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
              "must be set unless reward_model.use_dynamic_bsz")
-    need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length", "implausibly long sequences")
+    need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length",
+         f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "
+         f"tokens is implausibly long; expected fewer than {10**7}")
 
     if check_paths:
         for key in ("data.train_files", "data.val_files"):

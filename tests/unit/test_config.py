@@ -1,5 +1,7 @@
 """Config tree: verl defaults, typed overrides, YAML presets, ${} references, validation rules."""
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,13 @@ def test_overrides_are_typed():
     ("trainer.logger=[console,wandb]", "trainer.logger", "one of 'console', 'tensorboard', 'file'"),
     ("actor_rollout_ref.actor.optim.betas=[0.9, x]", "actor_rollout_ref.actor.optim.betas", "expected a number"),
     ("data=3", "data", "is a section"),
+    ("data.train_batch_size=[1,2]", "data.train_batch_size", "expected an integer, got '[1,2]'"),     # list for a scalar
+    ("data.train_batch_size=1e3", "data.train_batch_size", "expected an integer, got '1e3'"),
+    ("actor_rollout_ref.actor.clip_ratio=[0.2]", "actor_rollout_ref.actor.clip_ratio", "expected a number"),
+    ("actor_rollout_ref.actor.optim.lr=nan", "actor_rollout_ref.actor.optim.lr", "expected a number, got 'nan'"),
+    ("data.val_batch_size=many", "data.val_batch_size", "expected an integer"),
+    ("data.train_files=[a.parquet", "data.train_files", "cannot parse '[a.parquet' as a list"),
+    ("trainer.device=tpu", "trainer.device", "expected one of 'cuda', 'cpu', got 'tpu'"),
 ])
 def test_type_errors_name_key_and_expectation(override, key, fragment):
     with pytest.raises(ConfigError) as ei:
@@ -197,6 +206,7 @@ def test_unknown_key_suggests_closest(typo, suggestion):
     msg = str(ei.value)
     assert f"unknown config key '{typo}'" in msg
     assert f"'{suggestion}'" in msg
+    assert keys_of(ei.value) == [typo]     # the error's key path is the bad key itself
 
 
 def test_value_used_as_section_is_an_error():
@@ -263,12 +273,63 @@ def test_yaml_errors_name_file_and_key(tmp_path):
     msg = str(ei.value)
     assert "data.train_batch_sise" in msg and "'data.train_batch_size'" in msg and str(f) in msg
     assert "data.shuffle" in msg and "expected a boolean" in msg
+    errs = dict(ei.value.errors)
+    assert errs["data.train_batch_sise"].endswith(f"(in {f}, line 2)")
+    assert errs["data.shuffle"] == f"expected a boolean (true/false), got 'sometimes' (in {f}, line 3)"
     f.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config([], [str(f)])
     f.write_text("data: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config([], [str(f)])
+
+
+@pytest.mark.parametrize("text, key, want", [
+    ("data:\n  train_batch_size: abc\n", "data.train_batch_size", "expected an integer, got 'abc' (in {f}, line 2)"),
+    ("data:\n  max_prompt_length: [64, 128]\n", "data.max_prompt_length", "expected an integer, got [64, 128] (in {f}, line 2)"),
+    ("data:\n  train_batch_size: {a: 1}\n", "data.train_batch_size", "expected an integer, got {{'a': 1}} (in {f}, line 2)"),
+    ("trainer:\n  n_gpus_per_node: 2\n  logger: [console, wandb]\n", "trainer.logger",
+     "one of 'console', 'tensorboard', 'file'"),
+    ("actor_rollout_ref.model.path: [a, b]\n", "actor_rollout_ref.model.path", "expected a string, got ['a', 'b'] (in {f}, line 1)"),
+    ("algorithm:\n  kl_ctrl: fixed\n", "algorithm.kl_ctrl", "'algorithm.kl_ctrl' is a section"),
+    ("data:\n  shuffle: true\ntrainer:\n  n_gpu_per_node: 2\n", "trainer.n_gpu_per_node",
+     "unknown config key 'trainer.n_gpu_per_node'; did you mean 'trainer.n_gpus_per_node'? (in {f}, line 4)"),
+])
+def test_yaml_type_errors_name_file_key_and_line(tmp_path, text, key, want):
+    f = tmp_path / "preset.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config([], [str(f)])
+    errs = dict(ei.value.errors)
+    assert key in errs, ei.value
+    assert want.format(f=f) in errs[key]
+    assert str(f) in errs[key]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("data:\n  a: [unclosed\n  b: 2\n",
+     "line 3, column 4: expected ',' or ']', but got ':' (while parsing a flow sequence started at line 2)"),
+    ("data:\n  train_batch_size: 8\n max_prompt_length: 64\n", "line 3, column 2: "),
+    ("trainer:\n\tnnodes: 1\n", "line 2, column 1: found character '\\t' that cannot start any token"),
+    ("a: 1\n b: 2\n", "line 2, column 3: mapping values are not allowed here"),
+])
+def test_invalid_yaml_syntax_names_file_and_line(tmp_path, text, want):
+    f = tmp_path / "broken.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config([], [str(f)])
+    (key, msg), = ei.value.errors
+    assert key == "--config"
+    assert msg.startswith(f"cannot parse '{f}' as YAML: ") and want in msg, msg
+    assert "\n" not in msg                 # one line per problem
+
+
+def test_yaml_not_utf8_names_file_and_line(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes(b"trainer:\n  experiment_name: caf\xe9\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config([], [str(f)])
+    assert ei.value.errors == [("--config", f"cannot parse '{f}': line 2 is not UTF-8 text (byte 0xe9 at offset 31)")]
     with pytest.raises(ConfigError, match="not found .*built-in presets: .*tiny_cpu"):
         load_config([], [str(tmp_path / "missing.yaml")])
 
@@ -287,57 +348,263 @@ TINY_TP2PP2 = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.te
                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
 
 
-@pytest.mark.parametrize("overrides, key, fragment", [
-    (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
-     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "must be divisible by TP x PP = 2 x 1"),
-    (["critic.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4"],
-     "critic.megatron.tensor_model_parallel_size", "share one megatron parallel state"),
-    (["actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=4"],
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+WS = dict(world_size=6)          # validate(..., world_size=6): the launcher's WORLD_SIZE
+PATHS = dict(check_paths=True)   # a real start: files and folders must exist
+# On a real start the table's overrides are formatted with tmp=<a folder holding train.parquet,
+# test.parquet, model/config.json, ckpt/ and reward.py>; GOOD_PATHS makes those keys valid.
+GOOD_PATHS = ["data.train_files={tmp}/train.parquet", "data.val_files={tmp}/test.parquet",
+              "actor_rollout_ref.model.path={tmp}/model"]
+
+# One row per rule of validate(): (overrides on the tiny_cpu preset, validate kwargs, the key the
+# error must name, a fragment of its message saying what was expected). test_every_need_site_has_a_row
+# checks that every need(...) call in validate() fails for at least one row.
+RULES = [
+    # -- positive sizes (every key of the two loops: test_positive_size_loops_name_each_key) ----
+    (["data.train_batch_size=0"], {}, "data.train_batch_size", "must be a positive integer, got 0"),
+    (["data.val_batch_size=0"], {}, "data.val_batch_size", "must be null or a positive integer, got 0"),
+    # -- layout --------------------------------------------------------------------------------
+    ([], dict(world_size=4), "trainer.n_gpus_per_node",
+     "trainer.nnodes x trainer.n_gpus_per_node = 1 x 2 = 2, but the launcher started WORLD_SIZE=4"),
+    (["trainer.n_gpus_per_node=3", A + "megatron.tensor_model_parallel_size=2"], {},
+     A + "megatron.tensor_model_parallel_size", "must be divisible by TP x PP = 2 x 1"),
+    (["trainer.n_gpus_per_node=6", A + "megatron.tensor_model_parallel_size=2",
+      A + "megatron.pipeline_model_parallel_size=2", "data.train_batch_size=12"], WS,
+     A + "megatron.tensor_model_parallel_size",
+     "world size 6 (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by TP x PP = 2 x 2 = 4 "
+     f"({A}megatron.tensor_model_parallel_size x {A}megatron.pipeline_model_parallel_size)"),
+    ([A + "megatron.virtual_pipeline_model_parallel_size=2"], {},
+     A + "megatron.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1 (is 1); set it to null"),
+    (["critic.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4"], {},
+     "critic.megatron.tensor_model_parallel_size",
+     f"must equal {A}megatron.tensor_model_parallel_size (1), got 2: the actor, reference and critic share one "
+     "megatron parallel state"),
+    (["actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=4"], {},
      "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size", "must equal"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=2"],
-     "actor_rollout_ref.rollout.tensor_model_parallel_size", "divisible by the rollout TP size 4"),
-    (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
-     "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1"),
-    (["data.train_batch_size=6"], "actor_rollout_ref.actor.ppo_mini_batch_size",
-     "train_batch_size (6) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (4)"),
-    (["trainer.n_gpus_per_node=3"], "actor_rollout_ref.actor.ppo_mini_batch_size",
-     "must split evenly over 3 data-parallel ranks"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-     "divisible by the micro-batch size 3"),
-    (["critic.ppo_micro_batch_size_per_gpu=3"], "critic.ppo_micro_batch_size_per_gpu", "micro-batch size 3"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-     "must be set when actor_rollout_ref.actor.use_dynamic_bsz is false"),
-    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null"],
-     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "must be set when"),
-    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=50"],
-     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "smaller than one sequence"),
-    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "actor_rollout_ref.actor.clip_ratio_c", "must be > 1"),
-    (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "actor_rollout_ref.actor.clip_ratio_c", "must be > 1"),
-    (["actor_rollout_ref.actor.kl_loss_type=k4"], "actor_rollout_ref.actor.kl_loss_type", "unknown KL estimator 'k4'"),
-    (["algorithm.kl_penalty=full+"], "algorithm.kl_penalty", "supported: kl, k1"),
-    (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator", "registered: gae, grpo"),
-    (["critic.enable=false"], "critic.enable", "needs a critic"),
-    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n",
-     "needs rollout.n > 1"),
-    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "n > 1"),
-    (["trainer.save_freq=0"], "trainer.save_freq", "-1 (disabled) or a positive number"),
-    (["trainer.test_freq=-5"], "trainer.test_freq", "-1 (disabled)"),
-    (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "must be set"),
-    (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl", "target_kl > 0"),
-    (["algorithm.lam=1.5"], "algorithm.lam", "[0, 1]"),
-    (["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p", "(0, 1]"),
-    (["actor_rollout_ref.rollout.top_k=0"], "actor_rollout_ref.rollout.top_k", "-1 (disabled) or >= 1"),
-    (["actor_rollout_ref.rollout.val_kwargs.temperature=-1"], "actor_rollout_ref.rollout.val_kwargs.temperature", ">= 0"),
-    (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "actor_rollout_ref.rollout.gpu_memory_utilization", "(0, 1]"),
-    (["data.train_batch_size=0"], "data.train_batch_size", "positive integer"),
-    (["critic.cliprange_value=0"], "critic.cliprange_value", "> 0"),
-    (["actor_rollout_ref.actor.optim.betas=[0.9]"], "actor_rollout_ref.actor.optim.betas", "two numbers"),
-])
-def test_each_rule_names_its_key(overrides, key, fragment):
-    err = fails(overrides)
+    (["critic.megatron.virtual_pipeline_model_parallel_size=2"], {},
+     "critic.megatron.virtual_pipeline_model_parallel_size", "must equal"),
+    ([R + "tensor_model_parallel_size=4", "trainer.n_gpus_per_node=2"], {},
+     R + "tensor_model_parallel_size", "world size 2 must be divisible by the rollout TP size 4"),
+    # -- batch sizes -----------------------------------------------------------------------------
+    (["data.train_batch_size=6"], {}, A + "ppo_mini_batch_size",
+     f"data.train_batch_size (6) must be divisible by {A}ppo_mini_batch_size (4)"),
+    (["critic.ppo_mini_batch_size=3"], {}, "critic.ppo_mini_batch_size",
+     "data.train_batch_size (8) must be divisible by critic.ppo_mini_batch_size (3)"),
+    (["trainer.n_gpus_per_node=3"], {}, A + "ppo_mini_batch_size",
+     "4 prompts x rollout.n 2 = 8 samples must split evenly over 3 data-parallel ranks"),
+    ([A + "ppo_micro_batch_size_per_gpu=3"], {}, A + "ppo_micro_batch_size_per_gpu",
+     "the per-rank mini-batch (4 x 2 / DP 2 = 4 samples) must be divisible by the micro-batch size 3"),
+    (["critic.ppo_micro_batch_size_per_gpu=3"], {}, "critic.ppo_micro_batch_size_per_gpu", "micro-batch size 3"),
+    ([A + "ppo_micro_batch_size_per_gpu=null"], {}, A + "ppo_micro_batch_size_per_gpu",
+     f"must be set when {A}use_dynamic_bsz is false"),
+    (["critic.ppo_micro_batch_size_per_gpu=null"], {}, "critic.ppo_micro_batch_size_per_gpu",
+     "must be set when critic.use_dynamic_bsz is false"),
+    ([A + "use_dynamic_bsz=true", A + "ppo_max_token_len_per_gpu=50"], {}, A + "ppo_max_token_len_per_gpu",
+     "token budget 50 is smaller than one sequence (data.max_prompt_length + data.max_response_length = 96)"),
+    (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=50"], {}, "critic.ppo_max_token_len_per_gpu",
+     "token budget 50 is smaller than one sequence"),
+    ([R + "log_prob_use_dynamic_bsz=true", R + "log_prob_max_token_len_per_gpu=50"], {},
+     R + "log_prob_max_token_len_per_gpu", "token budget 50 is smaller than one sequence (96 tokens)"),
+    (["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=9"],
+     {}, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "token budget 9"),
+    ([R + "log_prob_micro_batch_size_per_gpu=null"], {}, R + "log_prob_micro_batch_size_per_gpu",
+     f"must be set when {R}log_prob_use_dynamic_bsz is false"),
+    (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null"], {},
+     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+     "must be set when actor_rollout_ref.ref.log_prob_use_dynamic_bsz is false"),
+    # (reachable alone only when the mini-batch rules are skipped, here by a mini-batch of 0)
+    ([A + "ppo_mini_batch_size=0", "trainer.n_gpus_per_node=3", "data.train_batch_size=4"], {},
+     "data.train_batch_size", "train_batch_size x rollout.n = 8 samples must split evenly over 3 data-parallel ranks"),
+    # -- PPO / KL --------------------------------------------------------------------------------
+    ([A + "clip_ratio_c=0.5"], {}, A + "clip_ratio_c", "dual-clip constant must be > 1, got 0.5"),
+    ([A + "clip_ratio_c=1.0"], {}, A + "clip_ratio_c", "must be > 1"),
+    ([A + "clip_ratio=-0.1"], {}, A + "clip_ratio", "must be >= 0, got -0.1"),
+    ([A + "clip_ratio_low=-0.1"], {}, A + "clip_ratio_low", "must be >= 0, got -0.1"),
+    ([A + "clip_ratio_high=-1"], {}, A + "clip_ratio_high", "must be >= 0, got -1.0"),
+    (["critic.cliprange_value=0"], {}, "critic.cliprange_value", "must be > 0, got 0.0"),
+    ([A + "entropy_coeff=-0.01"], {}, A + "entropy_coeff", "must be >= 0, got -0.01"),
+    ([A + "kl_loss_coef=-1"], {}, A + "kl_loss_coef", "must be >= 0, got -1.0"),
+    (["algorithm.kl_ctrl.kl_coef=-1"], {}, "algorithm.kl_ctrl.kl_coef", "must be >= 0, got -1.0"),
+    (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], {}, "algorithm.kl_ctrl.target_kl",
+     "the adaptive controller needs target_kl > 0, got 0.0"),
+    (["algorithm.gamma=-0.5"], {}, "algorithm.gamma", "must be in [0, 1], got -0.5"),
+    (["algorithm.lam=1.5"], {}, "algorithm.lam", "must be in [0, 1], got 1.5"),
+    ([A + "kl_loss_type=k4"], {}, A + "kl_loss_type", "unknown KL estimator 'k4'; supported: kl, k1"),
+    (["algorithm.kl_penalty=full+"], {}, "algorithm.kl_penalty", "unknown KL estimator 'full+'; supported: kl, k1"),
+    (["algorithm.adv_estimator=ppo2"], {}, "algorithm.adv_estimator",
+     "unknown advantage estimator 'ppo2'; registered: gae, grpo"),
+    (["critic.enable=false"], {}, "critic.enable", "algorithm.adv_estimator=gae needs a critic (values)"),
+    (["algorithm.adv_estimator=grpo", R + "n=1"], {}, R + "n", "needs rollout.n > 1 (got 1)"),
+    (["algorithm.adv_estimator=rloo", R + "n=1"], {}, R + "n", "n > 1"),
+    # -- sampling --------------------------------------------------------------------------------
+    ([R + "temperature=-1"], {}, R + "temperature", "must be >= 0, got -1.0"),
+    ([R + "val_kwargs.temperature=-1"], {}, R + "val_kwargs.temperature", "must be >= 0"),
+    ([R + "top_p=0"], {}, R + "top_p", "must be in (0, 1], got 0.0"),
+    ([R + "val_kwargs.top_p=1.5"], {}, R + "val_kwargs.top_p", "must be in (0, 1], got 1.5"),
+    ([R + "top_k=0"], {}, R + "top_k", "must be -1 (disabled) or >= 1, got 0"),
+    ([R + "val_kwargs.top_k=-2"], {}, R + "val_kwargs.top_k", "must be -1 (disabled) or >= 1, got -2"),
+    ([R + "gpu_memory_utilization=1.5"], {}, R + "gpu_memory_utilization", "must be in (0, 1], got 1.5"),
+    ([R + "max_num_batched_tokens=50"], {}, R + "max_num_batched_tokens", "50 is smaller than one sequence (96 tokens)"),
+    # -- optimizers ------------------------------------------------------------------------------
+    ([A + "optim.lr=-1e-6"], {}, A + "optim.lr", "must be >= 0, got -1e-06"),
+    (["critic.optim.lr=-1"], {}, "critic.optim.lr", "must be >= 0"),
+    (["critic.optim.clip_grad=-1"], {}, "critic.optim.clip_grad", "must be >= 0 (0 disables), got -1.0"),
+    ([A + "optim.lr_warmup_steps_ratio=1.5"], {}, A + "optim.lr_warmup_steps_ratio", "must be in [0, 1], got 1.5"),
+    ([A + "optim.lr_warmup_steps=-2"], {}, A + "optim.lr_warmup_steps", "must be -1 or >= 0, got -2"),
+    ([A + "optim.betas=[0.9]"], {}, A + "optim.betas", "must be two numbers in [0, 1), got [0.9]"),
+    (["critic.optim.betas=[0.9, 1.0]"], {}, "critic.optim.betas", "must be two numbers in [0, 1)"),
+    # -- trainer ---------------------------------------------------------------------------------
+    (["trainer.save_freq=0"], {}, "trainer.save_freq", "must be -1 (disabled) or a positive number of steps, got 0"),
+    (["trainer.test_freq=-5"], {}, "trainer.test_freq", "-1 (disabled)"),
+    (["trainer.critic_warmup=-1"], {}, "trainer.critic_warmup", "must be >= 0, got -1"),
+    (["trainer.dist_timeout_s=0"], {}, "trainer.dist_timeout_s", "must be >= 1 second, got 0"),
+    (["trainer.resume_mode=resume_path"], {}, "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path"),
+    (["trainer.resume_mode=''"], {}, "trainer.resume_mode", "must be disable, auto, resume_path or a checkpoint path, got ''"),
+    (["data.train_files=[]"], {}, "data.train_files", "needs at least one file"),
+    (["reward_model.enable=true"], {}, "reward_model.model.path", "must be set when reward_model.enable=True"),
+    (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.micro_batch_size_per_gpu=null"], {},
+     "reward_model.micro_batch_size_per_gpu", "must be set unless reward_model.use_dynamic_bsz"),
+    (["data.max_response_length=10000000"], {}, "data.max_response_length",
+     "data.max_prompt_length + data.max_response_length = 10000064 tokens is implausibly long; expected fewer than 10000000"),
+    # -- paths, on a real start only -------------------------------------------------------------
+    (GOOD_PATHS + ["data.val_files={tmp}/nope.parquet"], PATHS, "data.val_files", "file not found: {tmp}/nope.parquet"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/nomodel"], PATHS, "actor_rollout_ref.model.path",
+     "model directory not found: {tmp}/nomodel"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/ckpt"], PATHS, "actor_rollout_ref.model.path",
+     "{tmp}/ckpt has no config.json (expected a HuggingFace model folder)"),
+    (GOOD_PATHS + ["custom_reward_function.path={tmp}/nope.py"], PATHS, "custom_reward_function.path",
+     "file not found: {tmp}/nope.py"),
+    (GOOD_PATHS + ["trainer.resume_mode=resume_path", "trainer.resume_from_path={tmp}/nockpt"], PATHS,
+     "trainer.resume_from_path", "checkpoint directory not found: {tmp}/nockpt"),
+    (GOOD_PATHS + ["trainer.resume_mode={tmp}/nockpt"], PATHS, "trainer.resume_mode",
+     "expected disable, auto, resume_path or an existing checkpoint directory, got '{tmp}/nockpt'"),
+]
+
+
+@pytest.fixture(scope="module")
+def path_tree(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("paths")
+    for name in ("train.parquet", "test.parquet", "reward.py"):
+        (tmp / name).write_bytes(b"x")
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text("{}")
+    (tmp / "ckpt").mkdir()
+    return str(tmp)
+
+
+def run_rule(row, tmp):
+    overrides, kw, key, fragment = row
+    overrides = [o.format(tmp=tmp) for o in overrides]
+    err = fails(overrides, **kw)
+    return err, key, fragment.format(tmp=tmp)
+
+
+@pytest.mark.parametrize("row", RULES, ids=[f"{r[2]}:{r[3][:30]}" for r in RULES])
+def test_each_rule_names_its_key(row, path_tree):
+    err, key, fragment = run_rule(row, path_tree)
     assert key in keys_of(err), err
     msg = dict(err.errors)[key]
     assert fragment in msg, msg
+    assert f"  - {key}: {msg}" in str(err)          # what the user sees names the key
+
+
+def test_good_paths_pass_on_a_real_start(path_tree):
+    ok([o.format(tmp=path_tree) for o in GOOD_PATHS], check_paths=True)
+
+
+def _validate_source():
+    import ast
+    import inspect
+    import textwrap
+
+    out = []
+    for fn in (C.validate, C._check_model_path):
+        lines, first = inspect.getsourcelines(fn)
+        out.append((fn, "".join(lines), first, ast.parse(textwrap.dedent("".join(lines)))))
+    return out
+
+
+def _need_sites():
+    """(function, first line, last line) of every need(...) call in validate and its helper."""
+    import ast
+
+    sites = []
+    for fn, text, first, tree in _validate_source():
+        calls = [n for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
+        # Sanity check of the scan: as many calls as the text spells 'need(' (less the definition).
+        assert len(calls) == len(re.findall(r"\bneed\(", text)) - (fn is C.validate), fn
+        sites += [(fn.__name__, n.lineno + first - 1, n.end_lineno + first - 1) for n in calls]
+    return sorted(sites)
+
+
+def _failing_need_calls(run):
+    """{(function, line, key)} of the need(...) calls whose condition failed while run() ran."""
+    codes = {C.validate.__code__: "validate", C._check_model_path.__code__: "_check_model_path"}
+    hits = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "need":
+            caller = frame.f_back
+            if caller is not None and caller.f_code in codes and not frame.f_locals.get("cond"):
+                hits.add((codes[caller.f_code], caller.f_lineno, frame.f_locals.get("key")))
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(old)
+    return hits
+
+
+def test_every_need_site_has_a_row(path_tree):
+    """Meta-check: every need(...) call in validate() (and _check_model_path) is made to fail by at
+    least one RULES row, so a rule added later without a row fails this test. It checks call
+    sites, not every key of a rule that loops over keys (the positive-size loops are covered key by
+    key below; the other loops' keys are listed in RULES by hand)."""
+    hits = set()
+    for row in RULES:
+        hits |= _failing_need_calls(lambda: run_rule(row, path_tree))
+    sites = _need_sites()
+    assert len(sites) >= 50
+    missing = [(fn, a) for fn, a, b in sites if not any(h[0] == fn and a <= h[1] <= b for h in hits)]
+    src = {fn.__name__: (text.splitlines(), first) for fn, text, first, _ in _validate_source()}
+    assert not missing, "need(...) calls no RULES row triggers:\n" + "\n".join(
+        f"  {fn}:{line}: {src[fn][0][line - src[fn][1]].strip()}" for fn, line in missing)
+
+
+def _loop_keys(marker: str) -> list[str]:
+    """The keys of the `for key in (...)` loop in validate whose body's message contains ``marker``."""
+    import ast
+
+    fn, text, first, tree = _validate_source()[0]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple)
+                and any(isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith(marker)
+                        for c in ast.walk(ast.Module(body=node.body, type_ignores=[])))):
+            return [eval(compile(ast.Expression(e), "<key>", "eval"), {"A": A, "R": R}) for e in node.iter.elts]
+    raise AssertionError(f"no loop with {marker!r}")
+
+
+POSITIVE = _loop_keys("must be a positive integer")
+POSITIVE_OR_NULL = _loop_keys("must be null or a positive integer")
+
+
+def test_positive_size_loops_found():
+    assert "data.train_batch_size" in POSITIVE and "algorithm.kl_ctrl.horizon" in POSITIVE and len(POSITIVE) >= 19
+    assert "data.val_batch_size" in POSITIVE_OR_NULL and len(POSITIVE_OR_NULL) >= 10
+    assert set(POSITIVE) <= set(C.all_keys()) and set(POSITIVE_OR_NULL) <= set(C.all_keys())
+
+
+@pytest.mark.parametrize("key", POSITIVE + POSITIVE_OR_NULL)
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_positive_size_loops_name_each_key(key, value):
+    err = fails([f"{key}={value}"])
+    assert key in keys_of(err), err
+    want = "must be a positive integer" if key in POSITIVE else "must be null or a positive integer"
+    assert dict(err.errors)[key] == f"{want}, got {value}"
 
 
 def test_valid_layouts_pass():

@@ -62,23 +62,58 @@ def test_overlong_prompts(tok, tmp_path):
                       filter_overlong_prompts=True)
 
 
+MSG = [{"role": "user", "content": "x"}]
+
+
 @pytest.mark.parametrize("bad, fragment", [
-    ({"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "a"}}, "missing column 'data_source'"),
+    ({"prompt": MSG, "reward_model": {"ground_truth": "a"}}, "missing column 'data_source'"),
     ({"data_source": "d", "reward_model": {"ground_truth": "a"}}, "missing column 'prompt'"),
-    ({"data_source": 3, "prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "a"}},
-     "field 'data_source' must be a string"),
+    ({"data_source": "d", "prompt": MSG}, "missing column 'reward_model'"),
+    ({"data_source": 3, "prompt": MSG, "reward_model": {"ground_truth": "a"}},
+     "field 'data_source' must be a string, got int"),
+    ({"data_source": b"d", "prompt": MSG, "reward_model": {"ground_truth": "a"}},
+     "field 'data_source' must be a string, got bytes (a binary column"),
     ({"data_source": "d", "prompt": "just text", "reward_model": {"ground_truth": "a"}},
+     "field 'prompt' must be a non-empty list of chat messages [{'role': str, 'content': str}, ...], got str"),
+    ({"data_source": "d", "prompt": [], "reward_model": {"ground_truth": "a"}},
      "field 'prompt' must be a non-empty list of chat messages"),
-    ({"data_source": "d", "prompt": [{"role": "user"}], "reward_model": {"ground_truth": "a"}}, "field 'prompt[0]'"),
-    ({"data_source": "d", "prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}},
+    ({"data_source": "d", "prompt": ["hello"], "reward_model": {"ground_truth": "a"}},
+     "field 'prompt[0]' must be {'role': str, 'content': str}, got str"),
+    ({"data_source": "d", "prompt": [{"role": "user"}], "reward_model": {"ground_truth": "a"}},
+     "field 'prompt[0].content' must be a string (messages are {'role': str, 'content': str}), got nothing"),
+    ({"data_source": "d", "prompt": [{"role": 1, "content": "x"}], "reward_model": {"ground_truth": "a"}},
+     "field 'prompt[0].role' must be a string"),
+    ({"data_source": "d", "prompt": MSG, "reward_model": {"style": "rule"}},
      "field 'reward_model.ground_truth' is missing"),
-])
+    ({"data_source": "d", "prompt": MSG, "reward_model": "42"},
+     "field 'reward_model' must be a mapping {'style': ..., 'ground_truth': ...}, got str"),
+    ({"data_source": "d", "prompt": MSG, "reward_model": {"ground_truth": {"answer": "42"}}},
+     "field 'reward_model.ground_truth' must be a string, a number or a list, got dict"),
+    ({"data_source": "d", "prompt": MSG, "reward_model": {"ground_truth": "a"}, "extra_info": "idx 3"},
+     "field 'extra_info' must be a mapping or null, got str"),
+    ({"data_source": "d", "prompt": MSG, "reward_model": {"ground_truth": "a"}, "ability": 7},
+     "field 'ability' must be a string or null, got int"),
+], ids=lambda v: v if isinstance(v, str) else None)
 def test_schema_errors_name_file_row_field(tok, tmp_path, bad, fragment):
     good = write(tmp_path / "good.parquet", [row("echo: red")])
     f = write(tmp_path / "bad.parquet", [bad])
     with pytest.raises(DataError) as ei:
         PromptDataset([good, f], tok, max_prompt_length=16)
     assert f"{f}, row 0: " in str(ei.value) and fragment in str(ei.value)
+
+
+@pytest.mark.parametrize("truth", ["42", 42, 4.5, ["1/2", "0.5"]])
+def test_ground_truth_scalar_or_list_accepted(tok, tmp_path, truth):
+    f = write(tmp_path / "ok.parquet", [row("echo: red", truth)])
+    assert PromptDataset(f, tok, max_prompt_length=16)[0].ground_truth == truth
+
+
+def test_wrong_type_in_a_later_row_names_that_row(tok, tmp_path):
+    # The prompt column is a list of structs; a struct row missing 'content' reads back as None.
+    rows = [row("echo: red"), row("echo: blue"), {**row("echo: gold"), "prompt": [{"role": "user", "content": None}]}]
+    f = write(tmp_path / "later.parquet", rows)
+    with pytest.raises(DataError, match=r"later.parquet, row 2: field 'prompt\[0\].content' must be a string"):
+        PromptDataset(f, tok, max_prompt_length=16)
 
 
 def test_null_field_in_a_later_row(tok, tmp_path):
@@ -90,6 +125,17 @@ def test_null_field_in_a_later_row(tok, tmp_path):
 def test_file_errors(tok, tmp_path):
     with pytest.raises(DataError, match="missing.parquet: file not found"):
         PromptDataset(str(tmp_path / "missing.parquet"), tok, max_prompt_length=8)
+    good = write(tmp_path / "good.parquet", [row("echo: red")])
+    with pytest.raises(DataError, match="missing2.parquet: file not found"):   # a later file of several
+        PromptDataset([good, str(tmp_path / "missing2.parquet")], tok, max_prompt_length=8)
+    zero = tmp_path / "zero.parquet"
+    zero.write_bytes(b"")
+    with pytest.raises(DataError, match=r"zero.parquet: the file is empty \(0 bytes\), expected a parquet file"):
+        PromptDataset(str(zero), tok, max_prompt_length=8)
+    with pytest.raises(DataError, match=rf"{tmp_path}: is a directory, expected a parquet file"):
+        PromptDataset(str(tmp_path), tok, max_prompt_length=8)
+    with pytest.raises(DataError, match="no data files given"):
+        PromptDataset([], tok, max_prompt_length=8)
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"data_source": pa.array([], pa.string())}), str(empty))
     with pytest.raises(DataError, match="empty.parquet: the file has no rows"):
@@ -162,5 +208,106 @@ def test_preprocess_math_synthetic_and_errors(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no marker"}))
     assert preprocess.main(["gsm8k", "--input", str(bad), "--out", str(tmp_path / "x")]) == 2
-    assert "gsm8k row 0: field 'answer' has no '#### <number>'" in capsys.readouterr().err
+    assert f"{bad}, row 0: gsm8k: field 'answer' has no '#### <number>'" in capsys.readouterr().err
     assert not (tmp_path / "x" / "train.parquet").exists()
+
+
+def test_overlong_prompt_in_second_file_names_file_and_row(tok, tmp_path):
+    long = "echo: " + " ".join(["one", "two", "three"] * 4)
+    a = write(tmp_path / "a.parquet", [row("echo: red")])
+    b = write(tmp_path / "b.parquet", [row("echo: blue"), row("echo: gold"), row(long)])
+    with pytest.raises(DataError) as ei:
+        PromptDataset([a, b], tok, max_prompt_length=8, truncation="error")
+    msg = str(ei.value)
+    assert msg.startswith(f"{b}, row 2: prompt is 16 tokens, longer than data.max_prompt_length=8")
+    assert "data.filter_overlong_prompts=true" in msg
+    ds = PromptDataset([a, b], tok, max_prompt_length=8, filter_overlong_prompts=True)
+    assert ds.num_filtered == 1 and [it.ground_truth for it in ds] == ["red", "red", "red"]
+    assert [it.origin for it in ds] == [f"{a}:0", f"{b}:0", f"{b}:1"]
+
+
+def _invalid_utf8_parquet(path, bad_row, column):
+    """A parquet whose string column holds bytes that are not UTF-8 (pyarrow only validates on
+    conversion from Python str, so a binary array viewed as string writes them unchecked)."""
+    n = 3
+    texts = [b"echo: red"] * n
+    texts[bad_row] = b"echo: \xff\xfe red"
+    sources = [b"synthetic/echo"] * n
+    if column == "data_source":
+        sources[bad_row] = b"synthetic/\xc3"
+        texts[bad_row] = b"echo: red"
+    content = pa.array(texts, pa.binary()).view(pa.string())
+    msgs = pa.StructArray.from_arrays([pa.array(["user"] * n), content], names=["role", "content"])
+    prompt = pa.ListArray.from_arrays(pa.array(list(range(n + 1)), pa.int32()), msgs)
+    rm = pa.StructArray.from_arrays([pa.array(["rule"] * n), pa.array(["red"] * n)], names=["style", "ground_truth"])
+    table = pa.table({"data_source": pa.array(sources, pa.binary()).view(pa.string()), "prompt": prompt,
+                      "reward_model": rm})
+    pq.write_table(table, str(path))
+    with pytest.raises(UnicodeDecodeError):          # the hazard the loader must turn into a DataError
+        pq.read_table(str(path)).to_pylist()
+    return str(path)
+
+
+@pytest.mark.parametrize("bad_row, column", [(1, "prompt"), (2, "data_source")])
+def test_parquet_with_invalid_utf8_names_file_row_field(tok, tmp_path, bad_row, column):
+    f = _invalid_utf8_parquet(tmp_path / "latin1.parquet", bad_row, column)
+    with pytest.raises(DataError) as ei:
+        PromptDataset(f, tok, max_prompt_length=16)
+    assert str(ei.value).startswith(f"{f}, row {bad_row}: field '{column}' is not valid UTF-8 text")
+
+
+def test_parquet_binary_column_with_invalid_utf8(tok, tmp_path):
+    rows = [row("echo: red"), {**row("echo: blue"), "data_source": b"synthetic/\xff"}]
+    table = pa.Table.from_pylist(rows)
+    assert table.schema.field("data_source").type == pa.binary()
+    pq.write_table(table, str(tmp_path / "bin.parquet"))
+    with pytest.raises(DataError, match=r"bin.parquet, row 0: field 'data_source' must be a string, got bytes \(a binary"):
+        PromptDataset(str(tmp_path / "bin.parquet"), tok, max_prompt_length=16)
+    pq.write_table(pa.Table.from_pylist([rows[1]]), str(tmp_path / "bin1.parquet"))
+    with pytest.raises(DataError, match="bin1.parquet, row 0: field 'data_source' must be a string, got bytes that "
+                                        "are not valid UTF-8 text"):
+        PromptDataset(str(tmp_path / "bin1.parquet"), tok, max_prompt_length=16)
+
+
+GOOD = {"question": "2+2?", "answer": "#### 4"}
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("bad.json", b'[{"question": "q", "answer": "#### 1"},\n {"question": "q" "answer": 2}]',
+     "bad.json, line 2: invalid JSON: Expecting ',' delimiter"),
+    ("bad.jsonl", b'{"question": "q", "answer": "#### 1"}\n{"question": \n',
+     "bad.jsonl, line 2: invalid JSON: Expecting value"),
+    ("latin1.jsonl", b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n',
+     "latin1.jsonl, line 2: not valid UTF-8 text (byte 0xe9"),
+    ("latin1.json", b'[{"question": "\xff", "answer": "#### 2"}]', "latin1.json, line 1: not valid UTF-8 text"),
+    ("scalar.json", b"42", "scalar.json: expected a JSON list of records"),
+    ("strings.jsonl", b'"just a string"\n', "strings.jsonl, line 1: expected a JSON object, got str"),
+    ("noq.jsonl", json.dumps(GOOD).encode() + b'\n{"answer": "#### 3"}\n',
+     "noq.jsonl, row 1: gsm8k: field 'question' must be a string, got nothing (missing or null)"),
+    ("junk.parquet", b"PAR1 not really", "junk.parquet: cannot read as parquet"),
+])
+def test_preprocess_bad_input_exit_2_names_file(tmp_path, capsys, name, content, fragment):
+    f = tmp_path / name
+    f.write_bytes(content)
+    assert preprocess.main(["gsm8k", "--input", str(f), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megappo.data.preprocess: ") and err.count("\n") == 1, err   # one line, no traceback
+    assert f"{tmp_path}/{fragment}" in err, err
+    assert not (tmp_path / "out").exists()                                              # nothing written
+
+
+def test_preprocess_parquet_with_invalid_utf8(tmp_path, capsys):
+    n = 3
+    q = [b"2+2?", b"caf\xe9?", b"1+1?"]
+    table = pa.table({"question": pa.array(q, pa.binary()).view(pa.string()), "answer": ["#### 4"] * n})
+    pq.write_table(table, str(tmp_path / "train.parquet"))
+    assert preprocess.main(["gsm8k", "--input", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert f"{tmp_path}/train.parquet, row 1: text is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_preprocess_missing_input(tmp_path, capsys):
+    assert preprocess.main(["gsm8k", "--input", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")]) == 2
+    assert f"--input: {tmp_path}/nope.json is neither a file nor a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert preprocess.main(["gsm8k", "--input", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert "no train/test json, jsonl, parquet or arrow files under" in capsys.readouterr().err

@@ -33,15 +33,62 @@ def read_rows(path: str) -> list[dict]:
     import pyarrow.parquet as pq
 
     p = os.path.expanduser(path)
+    if os.path.isdir(p):
+        raise DataError(f"{path}: is a directory, expected a parquet file")
     if not os.path.isfile(p):
         raise DataError(f"{path}: file not found")
+    if os.path.getsize(p) == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes), expected a parquet file")
     try:
         table = pq.read_table(p)
     except Exception as e:  # pyarrow raises several types for a non-parquet file
         raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}: {e}") from None
     if table.num_rows == 0:
         raise DataError(f"{path}: the file has no rows")
-    return table.to_pylist()
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as e:  # a string column holding bytes that are not UTF-8
+        row, column = _find_bad_utf8(table)
+        where = f"{path}, row {row}" if row is not None else path
+        what = f"field '{column}'" if column is not None else "a text field"
+        raise DataError(f"{where}: {what} is not valid UTF-8 text ({e.reason} at byte {e.start}); "
+                        "re-encode the data as UTF-8") from None
+
+
+def _find_bad_utf8(table) -> tuple[Optional[int], Optional[str]]:
+    """(row, column) of the first value that does not decode as UTF-8 (only called on failure)."""
+    for name in table.column_names:
+        col = table.column(name)
+        try:
+            col.to_pylist()
+            continue
+        except UnicodeDecodeError:
+            pass
+        block = 1024
+        for start in range(0, len(col), block):
+            part = col.slice(start, block)
+            try:
+                part.to_pylist()
+                continue
+            except UnicodeDecodeError:
+                pass
+            for i in range(len(part)):
+                try:
+                    part.slice(i, 1).to_pylist()
+                except UnicodeDecodeError:
+                    return start + i, name
+        return None, name  # pragma: no cover - the column failed as a whole but no single row did
+    return None, None  # pragma: no cover
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, (bytes, bytearray)):
+        try:
+            bytes(v).decode("utf-8")
+            return "bytes (a binary column; expected a string column)"
+        except UnicodeDecodeError:
+            return "bytes that are not valid UTF-8 text"
+    return type(v).__name__
 
 
 def _check_row(row: dict, where: str, prompt_key: str) -> None:
@@ -51,16 +98,36 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         if row[key] is None:
             raise DataError(f"{where}: field '{key}' is null")
     if not isinstance(row["data_source"], str):
-        raise DataError(f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}")
+        raise DataError(f"{where}: field 'data_source' must be a string, got {_kind(row['data_source'])}")
     msgs = row[prompt_key]
     if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: field '{prompt_key}' must be a non-empty list of chat messages, got {msgs!r:.80}")
+        raise DataError(f"{where}: field '{prompt_key}' must be a non-empty list of chat messages "
+                        f"[{{'role': str, 'content': str}}, ...], got {_kind(msgs)} {msgs!r:.80}")
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: field '{prompt_key}[{j}]' must be {{'role': str, 'content': str}}, got {m!r:.80}")
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: field '{prompt_key}[{j}]' must be {{'role': str, 'content': str}}, "
+                            f"got {_kind(m)} {m!r:.80}")
+        for sub in ("role", "content"):
+            if not isinstance(m.get(sub), str):
+                got = "nothing (missing or null)" if m.get(sub) is None else _kind(m[sub])
+                raise DataError(f"{where}: field '{prompt_key}[{j}].{sub}' must be a string "
+                                f"(messages are {{'role': str, 'content': str}}), got {got}")
     rm = row["reward_model"]
-    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+    if not isinstance(rm, dict):
+        raise DataError(f"{where}: field 'reward_model' must be a mapping {{'style': ..., 'ground_truth': ...}}, "
+                        f"got {_kind(rm)}")
+    gt = rm.get("ground_truth")
+    if gt is None:
         raise DataError(f"{where}: field 'reward_model.ground_truth' is missing")
+    if not isinstance(gt, (str, int, float, list)) or isinstance(gt, (bytes, bytearray)):
+        raise DataError(f"{where}: field 'reward_model.ground_truth' must be a string, a number or a list, "
+                        f"got {_kind(gt)} {gt!r:.80}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{where}: field 'extra_info' must be a mapping or null, got {_kind(extra)}")
+    ability = row.get("ability")
+    if ability is not None and not isinstance(ability, str):
+        raise DataError(f"{where}: field 'ability' must be a string or null, got {_kind(ability)}")
 
 
 def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:

@@ -26,12 +26,16 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 ECHO_WORDS = ["red", "blue", "green", "gold"]
 
 
+def _got(v) -> str:
+    return "nothing (missing or null)" if v is None else type(v).__name__
+
+
 def gsm8k_row(raw: dict, index: int, split: str) -> dict:
     for key in ("question", "answer"):
         if not isinstance(raw.get(key), str):
-            raise ValueError(f"gsm8k row {index}: field '{key}' must be a string")
+            raise ValueError(f"gsm8k: field '{key}' must be a string, got {_got(raw.get(key))}")
     if "####" not in raw["answer"]:
-        raise ValueError(f"gsm8k row {index}: field 'answer' has no '#### <number>'")
+        raise ValueError("gsm8k: field 'answer' has no '#### <number>'")
     truth = raw["answer"].split("####")[-1].strip().replace(",", "")
     return {"data_source": "openai/gsm8k",
             "prompt": [{"role": "user", "content": raw["question"] + " " + GSM8K_INSTRUCTION}],
@@ -42,56 +46,128 @@ def gsm8k_row(raw: dict, index: int, split: str) -> dict:
 def math_row(raw: dict, index: int, split: str) -> dict:
     for key in ("problem", "solution"):
         if not isinstance(raw.get(key), str):
-            raise ValueError(f"math row {index}: field '{key}' must be a string")
+            raise ValueError(f"math: field '{key}' must be a string, got {_got(raw.get(key))}")
     truth = last_boxed(raw["solution"])
     if truth is None:
-        raise ValueError(f"math row {index}: field 'solution' has no \\boxed{{}} answer")
+        raise ValueError("math: field 'solution' has no \\boxed{} answer")
     return {"data_source": "DigitalLearningGmbH/MATH-lighteval",
             "prompt": [{"role": "user", "content": raw["problem"] + " " + MATH_INSTRUCTION}],
             "ability": "math", "reward_model": {"style": "rule", "ground_truth": truth},
             "extra_info": {"split": split, "index": index}}
 
 
+def _read_table(path: str) -> list[dict]:
+    import pyarrow as pa
+
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        else:
+            with open(path, "rb") as f:
+                try:
+                    table = pa.ipc.open_stream(f).read_all()
+                except pa.ArrowInvalid:
+                    f.seek(0)
+                    table = pa.ipc.open_file(f).read_all()
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        kind = "parquet" if path.endswith(".parquet") else "arrow"
+        raise ValueError(f"{path}: cannot read as {kind}: {type(e).__name__}: {e}") from None
+    rows = []
+    for i in range(0, table.num_rows, 1024):
+        part = table.slice(i, 1024)
+        try:
+            rows += part.to_pylist()
+        except UnicodeDecodeError:
+            for j in range(part.num_rows):
+                try:
+                    part.slice(j, 1).to_pylist()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}, row {i + j}: text is not valid UTF-8 ({e.reason}); "
+                                     "re-encode the data as UTF-8") from None
+            raise  # pragma: no cover - the block failed but no single row did
+    return rows
+
+
 def _read_file(path: str) -> list[dict]:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.endswith(".arrow"):
-        import pyarrow as pa
-
-        with open(path, "rb") as f:
+    """Rows of one raw file; every problem names the file (and the line or row where known)."""
+    if path.endswith((".parquet", ".arrow")):
+        return _read_table(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: not valid UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start}); re-encode the file as UTF-8") from None
+    if path.endswith(".jsonl"):
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
             try:
-                return pa.ipc.open_stream(f).read_all().to_pylist()
-            except pa.ArrowInvalid:
-                f.seek(0)
-                return pa.ipc.open_file(f).read_all().to_pylist()
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        data = json.load(f)
-    return data if isinstance(data, list) else data.get("data", [])
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {n}: invalid JSON: {e.msg} (column {e.colno})") from None
+        data = rows
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if isinstance(data, dict):
+            data = data.get("data", [])
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records (or {{\"data\": [...]}}), "
+                             f"got {type(data).__name__}")
+    for i, r in enumerate(data):
+        if not isinstance(r, dict):
+            where = f"line {i + 1}" if path.endswith(".jsonl") else f"record {i}"
+            raise ValueError(f"{path}, {where}: expected a JSON object, got {type(r).__name__}")
+    return data
 
 
-def load_raw(path: str, split: str = "train") -> dict[str, list[dict]]:
-    """{split: rows} from a file or a folder (see the module docstring)."""
+def _raw_files(path: str, split: str) -> list[tuple[str, str]]:
+    """(split, file) pairs of --input, in reading order."""
     p = os.path.expanduser(path)
     if os.path.isfile(p):
-        return {split: _read_file(p)}
+        return [(split, p)]
     if not os.path.isdir(p):
         raise FileNotFoundError(f"--input: {path} is neither a file nor a folder")
-    out: dict[str, list[dict]] = {}
+    out = []
     for f in sorted(glob.glob(os.path.join(p, "**", "*"), recursive=True)):
         if not f.endswith((".json", ".jsonl", ".parquet", ".arrow")) or os.path.basename(f) in (
                 "dataset_info.json", "state.json", "dataset_dict.json"):
             continue
         rel = os.path.relpath(f, p).lower()
         name = "test" if "test" in rel else "train" if "train" in rel else None
-        if name is None:
-            continue
-        out.setdefault(name, []).extend(_read_file(f))
+        if name is not None:
+            out.append((name, f))
     if not out:
         raise FileNotFoundError(f"--input: no train/test json, jsonl, parquet or arrow files under {path}")
+    return out
+
+
+def load_raw(path: str, split: str = "train") -> dict[str, list[dict]]:
+    """{split: rows} from a file or a folder (see the module docstring)."""
+    out: dict[str, list[dict]] = {}
+    for name, f in _raw_files(path, split):
+        out.setdefault(name, []).extend(_read_file(f))
+    return out
+
+
+def _convert(path: str, split: str, make) -> dict[str, list[dict]]:
+    """{split: verl rows}; a bad record's error names its file."""
+    out: dict[str, list[dict]] = {}
+    for name, f in _raw_files(path, split):
+        rows = out.setdefault(name, [])
+        for j, raw in enumerate(_read_file(f)):
+            try:
+                rows.append(make(raw, len(rows), name))
+            except ValueError as e:
+                raise ValueError(f"{f}, row {j}: {e}") from None
     return out
 
 
@@ -123,8 +199,8 @@ def main(argv=None) -> int:
             ap.error(f"{args.task} needs --input")
         make = gsm8k_row if args.task == "gsm8k" else math_row
         try:
-            splits = {s: [make(r, i, s) for i, r in enumerate(rows)] for s, rows in load_raw(args.input, args.split).items()}
-        except (ValueError, FileNotFoundError) as e:
+            splits = _convert(args.input, args.split, make)
+        except (ValueError, OSError) as e:
             print(f"megappo.data.preprocess: {e}", file=sys.stderr)
             return 2
     for split, rows in splits.items():

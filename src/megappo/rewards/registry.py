@@ -90,7 +90,11 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
         if custom is not None:
             fn, where, args = custom, getattr(custom, "megappo_origin", custom.__name__), (ds, sol, gt, extra)
         else:
-            fn, where, args = get_reward_fn(ds), f"built-in reward for {ds!r}", (sol, gt, extra)
+            try:
+                fn = get_reward_fn(ds)
+            except KeyError as e:
+                raise RewardFunctionError(f"sample {i}: {e.args[0]}") from None
+            where, args = f"built-in reward for {ds!r}", (sol, gt, extra)
         try:
             r = fn(*args)
         except Exception as e:
