@@ -7,6 +7,7 @@ Layout under ``root``::
     global_step_N/critic/        (when the run has a critic)
     global_step_N/rank_state/    rank_<r>.pt: each rank's RNG states
     global_step_N/trainer_state.json
+    global_step_N/manifest.json  size and CRC-32 of every file (checked on load)
     latest                       "N": written last, by rename, so it never names a partial save
 
 A save goes to ``.tmp_global_step_N`` and is renamed into place only when every rank finished;
@@ -19,15 +20,18 @@ once per parameter per step). :func:`load_worker` creates the state first and un
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import zlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
+           "CheckpointError"]
 
 _META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -177,47 +181,168 @@ def copy_hf_files(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
+def _is_rank(r: int) -> bool:
+    return (dist.get_rank() if dist.is_initialized() else 0) == r
+
+
+def _all_gather_str(msg: str) -> list[str]:
+    if not dist.is_initialized():
+        return [msg]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, msg)
+    return out
+
+
+def _agree(err: Optional[BaseException], what: str) -> None:
+    """Collective: raise the same CheckpointError on every rank when any rank failed ``what``."""
+    msgs = _all_gather_str("" if err is None else _describe(err))
+    bad = [(r, m) for r, m in enumerate(msgs) if m]
+    if bad:
+        r, m = bad[0]
+        raise CheckpointError(f"{what}: rank {r}: {m}") from err
+
+
+def _describe(err: BaseException) -> str:
+    e = err
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return f"disk full ({e})"
+        e = e.__cause__ or e.__context__
+    return f"{type(err).__name__}: {err}"
+
+
+MANIFEST = "manifest.json"
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_manifest(folder: str) -> None:
+    """Size and CRC-32 of every file of the checkpoint: a load detects truncation and corruption
+    and names the file, instead of failing deep inside torch.distributed.checkpoint."""
+    entries = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, folder)
+            if rel != MANIFEST:
+                entries[rel] = [os.path.getsize(full), _crc32(full)]
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(entries, f, indent=0, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checkpoint(path: str, checksums: bool = True) -> None:
+    """Check ``path`` against its manifest (sizes; CRC-32 too with ``checksums``). Raises
+    CheckpointError naming the first missing, truncated or corrupted file. Checkpoints without
+    a manifest (written by other tools) pass unchecked."""
+    mf = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mf):
+        return
+    try:
+        with open(mf) as f:
+            entries = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{mf}: unreadable manifest: {e}") from e
+    for rel, (size, crc) in sorted(entries.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{full}: missing from the checkpoint")
+        have = os.path.getsize(full)
+        if have != size:
+            raise CheckpointError(f"{full}: truncated or overwritten: {have} bytes, the checkpoint wrote {size}")
+        if checksums and _crc32(full) != crc:
+            raise CheckpointError(f"{full}: corrupted: its CRC-32 does not match the one written at save time")
+
+
 def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None,
                     per_rank_state: Optional[dict] = None, hf_sources: Optional[dict] = None) -> str:
     """Save every worker and the trainer state as ``global_step_<step>``; publish atomically.
     ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``;
-    ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer)."""
+    ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer).
+
+    Collective. When any rank fails (disk full, I/O error), every rank raises the same
+    CheckpointError naming the rank and the cause; the partial save is removed and the previous
+    checkpoint and ``latest`` are untouched."""
     final = os.path.join(root, f"global_step_{step}")
     tmp = os.path.join(root, f".tmp_global_step_{step}")
-    if _rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    for name, worker in workers.items():
-        save_worker(worker, os.path.join(tmp, name))
-    if per_rank_state is not None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
-        torch.save(per_rank_state, _rank_file(tmp, rank))
-    _barrier()
-    if _rank0():
-        for name, src in (hf_sources or {}).items():
-            copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **trainer_state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = os.path.join(root, ".latest.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(str(step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(root, "latest"))
-        _fsync_dir(root)
-        if max_to_keep:
-            steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
-            for old in steps[:-max_to_keep]:
-                shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
+    try:
+        prev = latest_step(root)
+        kept = ("no earlier checkpoint exists" if prev is None
+                else f"the previous checkpoint global_step_{prev} and 'latest' are untouched")
+    except CheckpointError:
+        kept = "'latest' is untouched"
+    what = f"checkpoint {final} was not saved ({kept})"
+    err = None
+    try:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+    except Exception as e:  # noqa: BLE001 - reported collectively below
+        err = e
+    _agree(err, what)
+    try:
+        for name, worker in workers.items():
+            save_worker(worker, os.path.join(tmp, name))
+        if per_rank_state is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
+            torch.save(per_rank_state, _rank_file(tmp, rank))
+    except Exception as e:  # noqa: BLE001
+        err = e
+    try:
+        _agree(err, what)
+        err = None
+        if _rank0():
+            try:
+                for name, src in (hf_sources or {}).items():
+                    copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"step": step, **trainer_state}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _write_manifest(tmp)
+                _publish(root, tmp, final, step)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        _agree(err, what)
+    except CheckpointError:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank0() and max_to_keep:
+        steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
+        for old in steps[:-max_to_keep]:
+            shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
     _barrier()
     return final
+
+
+def _publish(root: str, tmp: str, final: str, step: int) -> None:
+    """Rename the finished save into place, then point ``latest`` at it (also by rename). An
+    older folder of the same step is moved aside first and deleted last, so at every instant
+    ``latest`` names a complete checkpoint."""
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(root, f".old_global_step_{step}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    latest_tmp = os.path.join(root, ".latest.tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(root, "latest"))
+    _fsync_dir(root)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: str, workers: dict, with_rank_state: bool = False):
@@ -228,6 +353,15 @@ def load_checkpoint(path: str, workers: dict, with_rank_state: bool = False):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if not os.path.isfile(meta):
         raise CheckpointError(f"{path}: no trainer_state.json (not a finished megappo checkpoint)")
+    err = None
+    try:
+        verify_checkpoint(path, checksums=_rank0())  # sizes everywhere, checksums read once
+    except CheckpointError as e:
+        err = e
+    msgs = _all_gather_str("" if err is None else str(err))
+    bad = [m for m in msgs if m]
+    if bad:
+        raise CheckpointError(bad[0]) from err
     try:
         with open(meta) as f:
             state = json.load(f)

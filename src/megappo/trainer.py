@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -62,6 +63,14 @@ class PPOTrainer:
         path = os.path.expanduser(arr.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # Data and the reward function first: a bad row or a broken reward file is reported in
+        # seconds, before vLLM starts and the models are built.
+        self.custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+                              if cfg.custom_reward_function.path else None)
+        ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+        self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
+        self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
 
         # Rollout engine first: vLLM's start-up reseeds RNGs (restored by the wrapper) and
         # under the external launcher every rank must construct it at the same point.
@@ -112,12 +121,6 @@ class PPOTrainer:
                                  f"the actor tokenizer's ({len(self.tokenizer)}); the reward model must share it")
             self.reward_model = RewardModel(rmchunks, rmcfg, pad_token_id=self.pad_id)
         self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-                              if cfg.custom_reward_function.path else None)
-        ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
-        self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
-        self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
         self.sampler = PromptSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
         self.step_no = 0
         self.timer = Timer()
@@ -175,6 +178,24 @@ class PPOTrainer:
         tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
         return tls * batch.response_mask
 
+    def _check_finite(self, stage: str, **tensors) -> None:
+        """Collective: every rank stops with the same error when any rank holds a NaN/inf in
+        ``tensors`` after ``stage`` -- before anything is synced, logged or checkpointed."""
+        bad = [name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())]
+        flag = torch.tensor([1.0 if bad else 0.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            what = ", ".join(bad) if bad else "values on another rank"
+            raise FloatingPointError(f"step {self.step_no + 1}, stage {stage}: non-finite {what}; "
+                                     "stopping before anything is saved")
+
+    def _check_finite_metrics(self, stage: str, metrics: dict, prefix: str) -> None:
+        # Loss and grad-norm metrics are reduced over the job already: every rank sees the same.
+        bad = [k for k, v in metrics.items() if k.startswith(prefix) and isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"step {self.step_no + 1}, stage {stage}: non-finite {', '.join(bad)}; "
+                                     "stopping before anything is saved")
+
     def _actor_params(self) -> int:
         """Parameters of the whole actor (summed over its TP x PP shards), counted once."""
         if not hasattr(self, "_n_params"):
@@ -223,19 +244,23 @@ class PPOTrainer:
                         batch, micro_batch_size=None if rm.use_dynamic_bsz else rm.micro_batch_size_per_gpu,
                         max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
                     full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
+            self._check_finite("reward", scores=full.token_level_scores)
             mb = dict(micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                       max_token_len=arr.rollout.log_prob_max_token_len_per_gpu if arr.rollout.log_prob_use_dynamic_bsz else None)
             if mb["max_token_len"]:
                 mb["micro_batch_size"] = None
             with t("old_log_prob"):
                 batch.old_log_prob = self.actor.compute_log_prob(batch, **mb)
+            self._check_finite("old_log_prob", old_log_prob=batch.old_log_prob)
             metrics.update(algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask))
             if self.ref is not None:
                 with t("ref"):
                     batch.ref_log_prob = self.ref.compute_log_prob(batch, **mb)
+                self._check_finite("ref", ref_log_prob=batch.ref_log_prob)
             if self.critic is not None:
                 with t("values"):
                     batch.values = self.critic.compute_values(batch, **mb)
+                self._check_finite("values", values=batch.values)
             with t("adv"):
                 if cfg.algorithm.use_kl_in_reward:
                     batch.token_level_rewards, kl_m = algo.apply_kl_in_reward(
@@ -249,6 +274,8 @@ class PPOTrainer:
                     response_mask=batch.response_mask, values=batch.values, group_index=batch.prompt_index,
                     gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+            self._check_finite("adv", rewards=batch.token_level_rewards, advantages=batch.advantages,
+                               returns=batch.returns)
             mini = act.ppo_mini_batch_size * n // self.dp
             if self.critic is not None:
                 c = cfg.critic
@@ -258,6 +285,7 @@ class PPOTrainer:
                         loss_agg_mode=c.loss_agg_mode, norm_factor=cfg.data.max_response_length,
                         micro_batch_size=None if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu,
                         max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None))
+                self._check_finite_metrics("update_critic", metrics, "critic/")
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
                     metrics.update(self.actor.update_policy(
@@ -269,6 +297,7 @@ class PPOTrainer:
                         norm_factor=cfg.data.max_response_length,
                         micro_batch_size=None if act.use_dynamic_bsz else act.ppo_micro_batch_size_per_gpu,
                         max_token_len=act.ppo_max_token_len_per_gpu if act.use_dynamic_bsz else None))
+                self._check_finite_metrics("update_actor", metrics, "actor/")
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
@@ -280,6 +309,8 @@ class PPOTrainer:
         tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
         metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(self.cfg.trainer.device)
+        # Prompts dropped at load time for exceeding data.max_prompt_length (filter_overlong_prompts).
+        metrics["data/filtered_overlong_prompts"] = float(self.train_data.num_filtered)
         if self.cfg.trainer.device == "cuda" and "timing_s/update_actor" in metrics:
             from megappo.metrics import mfu, peak_flops
 
@@ -353,6 +384,8 @@ class PPOTrainer:
         if tr.resume_mode == "auto":
             step = latest_step(root)
             if step is None:
+                # A run that died before its first checkpoint starts over: drop its metric lines.
+                self.logger.truncate_after(-1)
                 return None
             path = os.path.join(root, f"global_step_{step}")
         else:

@@ -199,3 +199,32 @@ def test_killing_a_rank_stops_ray_job(recipe, ray_cluster, tmp_path):
     assert took < TIMEOUT_S, f"the job took {took:.0f} s to stop"
     assert "megappo ray: rank 1 was killed by SIGKILL" in err, err[-3000:]
     _no_leftovers(run)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("launcher", ["torchrun", "ray"])
+def test_a_rank_that_raises_stops_the_job_and_is_named(recipe, launcher, request, tmp_path):
+    """Rank 1's reward function raises at step 1: the job exits non-zero well within the
+    timeout, the failing rank prints what failed, the launcher names it, nothing is left."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if os.environ.get('RANK') == '1':\n        raise RuntimeError('boom on rank 1')\n"
+                      "    return 0.0\n")
+    run = tmp_path / "run"
+    env = dict(NNODES=1, NGPUS_PER_NODE=2, MASTER_PORT=_port())
+    if launcher == "ray":
+        env.update(LAUNCHER="ray", RAY_ADDRESS=request.getfixturevalue("ray_cluster").address, NNODES=2,
+                   NGPUS_PER_NODE=1)
+    t0 = time.time()
+    p = subprocess.Popen(["bash", str(recipe), f"trainer.default_local_dir={run}", "trainer.total_training_steps=5",
+                          f"custom_reward_function.path={reward}"], env=_env(**env),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode != 0
+    assert "megappo: rank 1 failed: RewardFunctionError" in err and "boom on rank 1" in err, err[-3000:]
+    if launcher == "ray":
+        assert "megappo ray: rank 1 exited with status 1" in err
+    else:
+        assert "rank      : 1" in err or "rank: 1" in err
+    print(f"{launcher}: failed job ended after {time.time() - t0:.0f} s")
+    _no_leftovers(run)

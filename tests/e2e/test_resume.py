@@ -110,3 +110,119 @@ def test_resume_under_another_layout_and_pruning(straight, tmp_path):
     assert rows[0]["critic/vf_loss"] == pytest.approx(ref[2]["critic/vf_loss"], abs=1e-4)
     assert sorted(d for d in os.listdir(out) if d.startswith("global_step_")) == ["global_step_4"]
     assert (out / "latest").read_text() == "4"
+
+
+def _run_with_fault(rank, world, setup, run_dir, steps, extra, fault, at):
+    """_run, with a fault injected in this process: "kill" = SIGKILL every rank right after
+    step ``at``; "kill_in_save" = SIGKILL while step ``at``'s checkpoint is half written (actor
+    saved, critic not); "enospc" = the disk fills up while step ``at``'s checkpoint is written."""
+    import errno
+    import signal
+
+    from megappo import checkpoint, trainer
+
+    if fault == "kill":
+        original_step = trainer.PPOTrainer.step
+
+        def step(self, log=True):
+            out = original_step(self, log)
+            if self.step_no == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        trainer.PPOTrainer.step = step
+    else:
+        original_save = checkpoint.save_worker
+
+        def save_worker(worker, path):
+            if f"global_step_{at}" in path and path.endswith("critic"):
+                if fault == "kill_in_save":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            return original_save(worker, path)
+        checkpoint.save_worker = save_worker
+    _run(rank, world, setup, run_dir, steps, extra)
+
+
+def _compare(want_rows, got_rows):
+    for want, got in zip(want_rows, got_rows):
+        want, got = _stable(want), _stable(got)
+        assert want.keys() == got.keys()
+        bad = {k: (want[k], got[k]) for k in want if not math.isclose(want[k], got[k], rel_tol=0, abs_tol=1e-6)}
+        assert not bad, f"step {want['step']}: resumed run differs: {bad}"
+
+
+@pytest.mark.e2e
+def test_killed_at_a_random_step_then_resumed_matches(straight, tmp_path):
+    """kill -9 of every rank after a random step (the step's line is logged, its checkpoint maybe
+    not), then the same command again (resume_mode=auto): the metrics equal the uninterrupted
+    run's from the last checkpoint on."""
+    import random
+
+    from harness import spawn
+
+    setup, run = straight
+    at = random.choice([1, 3])
+    print(f"killing after step {at}")
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Exception, match="SIGKILL|signal 9|exit code -9"):
+        spawn(_run_with_fault, 2, setup, str(crashed), 4, ["trainer.save_freq=2"], "kill", at)
+    last = 2 if at == 3 else None
+    assert ((crashed / "latest").read_text() if last else None) == (str(last) if last else None)
+    spawn(_run, 2, setup, str(crashed), 4, ["trainer.save_freq=2", "trainer.resume_mode=auto"])
+    rows, resumed = _rows(run), _rows(crashed)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    _compare(rows[(last or 0) + 1:], resumed[(last or 0) + 1:])
+
+
+@pytest.mark.e2e
+def test_kill_during_checkpoint_write_keeps_the_previous_one(straight, tmp_path):
+    from harness import spawn
+
+    from megappo.checkpoint import verify_checkpoint
+
+    setup, run = straight
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Exception, match="SIGKILL|signal 9|exit code -9"):
+        spawn(_run_with_fault, 2, setup, str(crashed), 4, ["trainer.save_freq=2"], "kill_in_save", 4)
+    assert (crashed / "latest").read_text() == "2"
+    assert (crashed / ".tmp_global_step_4" / "actor").is_dir()          # the half-written save
+    assert not (crashed / "global_step_4").exists()
+    verify_checkpoint(str(crashed / "global_step_2"))                     # intact, every byte
+    spawn(_run, 2, setup, str(crashed), 4, ["trainer.save_freq=2", "trainer.resume_mode=auto"])
+    _compare(_rows(run)[3:], _rows(crashed)[3:])
+    assert (crashed / "latest").read_text() == "4" and not (crashed / ".tmp_global_step_4").exists()
+
+
+@pytest.mark.e2e
+def test_disk_full_during_save_is_reported_and_the_previous_checkpoint_kept(straight, tmp_path):
+    from harness import spawn
+
+    setup, _ = straight
+    out = tmp_path / "full"
+    with pytest.raises(Exception) as e:
+        spawn(_run_with_fault, 2, setup, str(out), 4, ["trainer.save_freq=2"], "enospc", 4)
+    msg = str(e.value)
+    assert f"CheckpointError: checkpoint {out}/global_step_4 was not saved (the previous checkpoint global_step_2 " \
+           "and 'latest' are untouched): rank 0: disk full" in msg, msg[-3000:]
+    assert (out / "latest").read_text() == "2" and (out / "global_step_2").is_dir()
+    assert not (out / ".tmp_global_step_4").exists() and not (out / "global_step_4").exists()
+
+
+def test_truncated_or_corrupted_checkpoint_is_named_on_load(straight, tmp_path):
+    from megappo.checkpoint import CheckpointError, load_checkpoint
+
+    _, run = straight
+    bad = tmp_path / "global_step_2"
+    shutil.copytree(run / "global_step_2", bad)
+    shard = sorted((bad / "actor").glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard}: truncated or overwritten: {len(data) // 2} bytes"):
+        load_checkpoint(str(bad), {})
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # same size, one byte flipped
+    with pytest.raises(CheckpointError, match=f"{shard}: corrupted"):
+        load_checkpoint(str(bad), {})
+    shard.write_bytes(data)
+    (bad / "trainer_state.json").write_text('{"step": 2, "da')
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
+        load_checkpoint(str(bad), {})

@@ -148,3 +148,41 @@ def test_reward_model_replaces_the_rule_reward(tmp_path):
     for r in rows:
         assert r["critic/score/mean"] == pytest.approx(0.75) and r["critic/score/min"] == pytest.approx(0.75)
         assert r["critic/score/max"] == pytest.approx(0.75) and "timing_s/reward" in r
+
+
+def _nan_rm_worker(rank, world, model, rm, train, run_dir):
+    from megappo.config import load_config, validate
+    from megappo.trainer import PPOTrainer, init_distributed
+
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
+                       "reward_model.enable=true", f"reward_model.model.path={rm}", "trainer.logger=[file]",
+                       f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1", "trainer.test_freq=-1"],
+                      ["tiny_cpu"])
+    validate(cfg, check_paths=True, world_size=world)
+    init_distributed(cfg)
+    PPOTrainer(cfg).fit(2)
+
+
+@pytest.mark.e2e
+def test_nan_reward_stops_the_run_before_any_checkpoint(tmp_path):
+    """A reward model that outputs NaN: the run stops at step 1, stage reward, on every rank,
+    with no metrics line and no checkpoint written (save_freq=1)."""
+    import torch
+    from harness import spawn
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from megappo.data.tiny import make_tiny_setup
+
+    p = make_tiny_setup(str(tmp_path / "tiny"))
+    cfg = AutoConfig.from_pretrained(p["model"], num_labels=1)
+    cfg.architectures = ["Qwen3ForTokenClassification"]
+    rm = AutoModelForTokenClassification.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        rm.score.bias.fill_(float("nan"))
+    rm.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
+    run = tmp_path / "run"
+    with pytest.raises(Exception) as e:
+        spawn(_nan_rm_worker, 2, p["model"], str(tmp_path / "rm"), p["train"], str(run))
+    assert "FloatingPointError: step 1, stage reward: non-finite scores; stopping before anything is saved" in str(e.value)
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+    assert not any(d.name.startswith(("global_step_", ".tmp_global_step_", "latest")) for d in run.iterdir())
