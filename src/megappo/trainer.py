@@ -286,6 +286,7 @@ class PPOTrainer:
                         micro_batch_size=None if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu,
                         max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None))
                 self._check_finite_metrics("update_critic", metrics, "critic/")
+                self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
                     metrics.update(self.actor.update_policy(
@@ -298,6 +299,7 @@ class PPOTrainer:
                         micro_batch_size=None if act.use_dynamic_bsz else act.ppo_micro_batch_size_per_gpu,
                         max_token_len=act.ppo_max_token_len_per_gpu if act.use_dynamic_bsz else None))
                 self._check_finite_metrics("update_actor", metrics, "actor/")
+                self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
@@ -428,6 +430,16 @@ class PPOTrainer:
             history.append(metrics)
         self.logger.close()
         return history
+
+
+def _any_nonfinite(worker) -> torch.Tensor:
+    """A 0-d tensor, NaN when any of this rank's weights is NaN/inf after an update (finite
+    losses do not prove finite weights: the last optimizer step of a step comes after them)."""
+    bad = torch.zeros((), dtype=torch.bool)
+    for chunk in worker.chunks:
+        for p in chunk.parameters():
+            bad |= ~torch.isfinite(p.detach()).all().cpu()
+    return torch.tensor(float("nan") if bad else 0.0)
 
 
 def _max_memory_gb(device: str) -> float:

@@ -186,3 +186,37 @@ def test_nan_reward_stops_the_run_before_any_checkpoint(tmp_path):
     assert "FloatingPointError: step 1, stage reward: non-finite scores; stopping before anything is saved" in str(e.value)
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
     assert not any(d.name.startswith(("global_step_", ".tmp_global_step_", "latest")) for d in run.iterdir())
+
+
+def _exploding_worker(rank, world, model, train, run_dir):
+    from megappo.config import load_config, validate
+    from megappo.trainer import PPOTrainer, init_distributed
+
+    # A learning rate that sends the actor's weights to inf within step 1's update while every
+    # loss it logs is still finite (they are computed before the last optimizer step): without
+    # the weight check this state was synced and checkpointed (save_freq=1), and only step 2's
+    # old log-probs showed the NaN.
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
+                       "actor_rollout_ref.actor.optim.lr=1e30", "actor_rollout_ref.actor.optim.clip_grad=1e30",
+                       "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.betas=[0.0,0.0]",
+                       "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1",
+                       "trainer.test_freq=-1"], ["tiny_cpu"])
+    validate(cfg, check_paths=True, world_size=world)
+    init_distributed(cfg)
+    PPOTrainer(cfg).fit(2)
+
+
+@pytest.mark.e2e
+def test_inf_weights_stop_the_run_at_the_update_stage_before_any_checkpoint(tmp_path):
+    from harness import spawn
+
+    from megappo.data.tiny import make_tiny_setup
+
+    p = make_tiny_setup(str(tmp_path / "tiny"))
+    run = tmp_path / "run"
+    with pytest.raises(Exception) as e:
+        spawn(_exploding_worker, 2, p["model"], p["train"], str(run))
+    assert "FloatingPointError: step 1, stage update_actor: non-finite actor_weights; stopping before anything is saved" \
+        in str(e.value), str(e.value)[-2000:]
+    assert not any(d.name.startswith(("global_step_", "latest")) for d in run.iterdir())
