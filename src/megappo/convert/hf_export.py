@@ -241,15 +241,20 @@ def export_hf(ckpt: str, out: str, hf_config: Optional[str] = None, dtype: Optio
         for w in writers.values():
             if not w.f.closed:
                 w.f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_out_of_space(e):
-            raise ConvertError(f"{out}: out of disk space while writing ({_errstr(e)}); the partial output was "
-                               f"removed") from e
-        if isinstance(e, OSError):
-            raise ConvertError(f"{out}: cannot write: {e}; the partial output was removed") from e
+        _write_failed(out, tmp, e)
         raise
     return {"out": final, "ckpt": path, "files": [s.file for s in shards], "bytes": written, "dtype": str(dt),
             "tensors": len(where), "critic": critic}
+
+
+def _write_failed(out: str, tmp: str, e: BaseException) -> None:
+    """Remove the partial output; turn disk-full and other OS errors into a ConvertError naming ``out``."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if is_out_of_space(e):
+        raise ConvertError(f"{out}: out of disk space while writing ({_errstr(e)}); the partial output was "
+                           f"removed") from e
+    if isinstance(e, OSError):
+        raise ConvertError(f"{out}: cannot write: {e}; the partial output was removed") from e
 
 
 def _errstr(e: BaseException) -> str:
@@ -295,11 +300,6 @@ def import_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: Optional[s
                        "dtype": _CONFIG_DTYPE[dt], "contents": "model weights only"}, f, indent=2)
         _publish(tmp, final)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_out_of_space(e):
-            raise ConvertError(f"{out}: out of disk space while writing ({_errstr(e)}); the partial output was "
-                               f"removed") from e
-        if isinstance(e, OSError):
-            raise ConvertError(f"{out}: cannot write: {e}; the partial output was removed") from e
+        _write_failed(out, tmp, e)
         raise
     return {"out": final, "bytes": total, "dtype": str(dt), "padded_vocab_size": desc.padded_vocab_size}
