@@ -66,7 +66,8 @@ def test_resumed_run_continues_with_the_same_metrics(straight, tmp_path):
     assert (run / "latest").read_text() == "4"
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data"]["position"] == 2
-    assert sorted(os.listdir(run / "global_step_2")) == ["actor", "critic", "rank_state", "trainer_state.json"]
+    assert sorted(os.listdir(run / "global_step_2")) == ["actor", "critic", "manifest.json", "rank_state",
+                                                         "trainer_state.json"]
     hf = sorted(os.listdir(run / "global_step_2" / "actor" / "huggingface"))
     assert "config.json" in hf and "tokenizer.json" in hf and not any(f.endswith(".safetensors") for f in hf)
 
