@@ -119,8 +119,9 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
     gt = rm.get("ground_truth")
     if gt is None:
         raise DataError(f"{where}: field 'reward_model.ground_truth' is missing")
-    if not isinstance(gt, (str, int, float, list)) or isinstance(gt, (bytes, bytearray)):
-        raise DataError(f"{where}: field 'reward_model.ground_truth' must be a string, a number or a list, "
+    # dicts pass: custom reward functions (code tests, multi-part answers) take structured truths.
+    if not isinstance(gt, (str, int, float, list, dict)) or isinstance(gt, (bytes, bytearray)):
+        raise DataError(f"{where}: field 'reward_model.ground_truth' must be a string, a number, a list or a mapping, "
                         f"got {_kind(gt)} {gt!r:.80}")
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
