@@ -130,7 +130,12 @@ def load_worker(worker, path: str) -> None:
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load: {type(e).__name__}: {e}") from e
     for key, chunk in zip(_model_keys(worker), worker.chunks):
-        chunk.load_state_dict(state[key], strict=False)
+        # Not strict: TE's _extra_state entries may be absent; every real tensor must be there.
+        res = chunk.load_state_dict(state[key], strict=False)
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"{path}: the checkpoint lacks {len(missing)} model tensor(s) the model has: "
+                                  f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if worker.optimizer is not None:
         for opt in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
             _tolerate_missing_step(opt)
