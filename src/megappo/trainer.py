@@ -142,9 +142,13 @@ class PPOTrainer:
         return max(1, per_epoch * self.cfg.trainer.total_epochs)
 
     def sync_weights(self) -> dict:
-        from megappo.convert.hf_io import Layout, iter_hf_tensors
+        from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
 
-        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, Layout.from_megatron()))
+        layout = Layout.from_megatron()
+        if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
+            self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, layout)
+        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, layout,
+                                                        shared=self._shared_gather))
 
     def rollout(self, items, sampling, salt: int = 0) -> tuple[RolloutBatch, list]:
         """Generate on this rank's rollout replica, gather every replica's samples on every rank.

@@ -1,5 +1,6 @@
 """Megatron actor/critic built from HF checkpoints compute what transformers computes, on every
 layout (gloo, spawned processes); weights round-trip HF -> Megatron -> HF bit for bit."""
+import contextlib
 import os
 import sys
 
@@ -93,6 +94,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
             seen.add(name)
         expected = set(original) - ({"lm_head.weight"} if info.desc.tie_word_embeddings else set())
         assert seen == expected, f"{arch}: missing from the generator: {sorted(expected - seen)}"
+        _check_shared_gather(chunks, info, original, arch)
 
     # Critic: values (B, S) and a gradient on every backbone parameter and the head
     path = os.path.join(dirs, "qwen3")
@@ -110,6 +112,41 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
         assert chunks[0].output_layer.weight.shape == (1, info.desc.hidden_size)
     for name, p in chunks[0].named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient reached {name}"
+
+
+def _check_shared_gather(chunks, info, original, arch):
+    """The shared-memory gather yields what the collectives yield, picks up changed weights at
+    every sync, and leaves no file behind."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megappo.convert import shm
+    from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
+
+    layout = Layout.from_megatron()
+    shared = plan_shared_gather(chunks, info.desc, layout)
+    assert shared is not None, "4 CPU ranks on one host must use shared memory"
+    assert not [f for f in os.listdir(shm.SHM_DIR) if shared.token in f], "segment file left in /dev/shm"
+    first = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, info.desc, layout, shared=shared)]
+    assert [n for n, _ in first] == [n for n, _ in iter_hf_tensors(chunks, info.desc, layout)]
+    for name, t in first:
+        assert torch.equal(t, original[name]), f"{arch}: {name} differs through shared memory"
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.add_(1.0)
+    for name, t in iter_hf_tensors(chunks, info.desc, layout, shared=shared, dtype=torch.float64):
+        assert t.dtype == torch.float64
+        assert torch.equal(t, (original[name] + 1).double()), f"{arch}: {name} is stale after the second sync"
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.sub_(1.0)
+    # One rank without room in /dev/shm: the whole group falls back to collectives together.
+    full = os.statvfs_result((4096,) * 2 + (0,) * 8)
+    with mock.patch.object(shm.os, "statvfs", return_value=full) if dist.get_rank() == 1 else contextlib.nullcontext():
+        assert plan_shared_gather(chunks, info.desc, layout) is None
 
 
 def test_roundtrip_bit_exact_and_critic_gradients_tp2pp2(model_dirs):

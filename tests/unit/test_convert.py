@@ -142,6 +142,40 @@ def test_to_megatron_to_hf_roundtrip():
         assert back.keys() == hf.keys() and all(torch.equal(back[n], hf[n]) for n in hf), pm.megatron
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("value_head", [False, True])
+def test_shards_written_into_hf_tensors_equal_gather_then_split(tp, value_head):
+    """shard_into_hf (each rank writes its piece in place) == to_hf(tp_gather(pieces)), the
+    independent reference; padding rows of the vocabulary are dropped, never written."""
+    from megappo.convert.parallel import shard_into_hf, tp_gather, tp_shard
+
+    d = desc(value_head=value_head)
+    g = torch.Generator().manual_seed(2)
+    for pm in convert.param_maps(d):
+        full = torch.randn(convert.full_shape(pm, d), generator=g)
+        pieces = [tp_shard(full, pm, r, tp).clone() for r in range(tp)]
+        expected = convert.to_hf(pm, tp_gather(pieces, pm), d)
+        dest = {n: torch.full(s, float("nan")) for n, s in hf_shapes(pm, d).items()}
+        for r in reversed(range(tp)):  # any order: the pieces are disjoint
+            shard_into_hf(pm, pieces[r], d, r, tp, dest)
+        assert dest.keys() == expected.keys(), pm.megatron
+        for n in expected:
+            assert torch.equal(dest[n], expected[n]), f"{pm.megatron} -> {n} at TP{tp}"
+
+
+def test_shard_into_hf_qkv_at_tp4():
+    from megappo.convert.parallel import shard_into_hf, tp_shard
+
+    d = desc(num_heads=8, num_groups=4)
+    pm = next(p for p in convert.param_maps(d) if p.kind == "qkv")
+    full = torch.randn(convert.full_shape(pm, d))
+    dest = {n: torch.zeros(s) for n, s in hf_shapes(pm, d).items()}
+    for r in range(4):
+        shard_into_hf(pm, tp_shard(full, pm, r, 4), d, r, 4, dest)
+    for n, t in convert.to_hf(pm, full, d).items():
+        assert torch.equal(dest[n], t), n
+
+
 # ------------------------------------------------------------------------------------------
 # error paths
 # ------------------------------------------------------------------------------------------

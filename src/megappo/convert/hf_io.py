@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
 from .parallel import layer_owner, tp_gather, tp_rows, to_global_name
 
-__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "Layout"]
+__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather", "Layout"]
 
 
 class WeightLoadError(ValueError):
@@ -36,9 +36,9 @@ class Layout:
     """This rank's coordinates: TP and PP sizes/ranks, VPP size."""
 
     def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
-                 tp_group=None, pp_group=None):
+                 tp_group=None, pp_group=None, mp_group=None):
         self.tp, self.tp_rank, self.pp, self.pp_rank, self.vpp = tp, tp_rank, pp, pp_rank, vpp
-        self.tp_group, self.pp_group = tp_group, pp_group
+        self.tp_group, self.pp_group, self.mp_group = tp_group, pp_group, mp_group
 
     @classmethod
     def from_megatron(cls) -> "Layout":
@@ -47,7 +47,8 @@ class Layout:
         return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                    pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group())
+                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+                   mp_group=ps.get_model_parallel_group())
 
     def owner(self, pm: ParamMap, num_layers: int) -> int:
         """Pipeline rank holding ``pm``."""
@@ -201,13 +202,31 @@ def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, layout: Layout = No
         param.copy_(shard.to(param.dtype))
 
 
+def plan_shared_gather(chunks, desc: ModelDesc, layout: Layout, te: Optional[bool] = None):
+    """A :class:`~megappo.convert.shm.SharedHFModel` for :func:`iter_hf_tensors` when the whole
+    model-parallel group shares one host and holds CPU tensors, else ``None``. Collective over
+    ``layout.mp_group``; plan once per model (parameters keep their storage)."""
+    from .shm import SharedHFModel
+
+    return SharedHFModel.plan(_local_params(chunks, desc, layout), desc, layout, _te(chunks, te))
+
+
 @torch.no_grad()
 def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional[bool] = None,
-                    dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: Optional[torch.dtype] = None, shared=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for every HF tensor of the model, on every rank.
 
-    Collective: every rank of the job must iterate it to the end, in step.
+    Collective: every rank of the model-parallel group must iterate it to the end, in step.
+    ``shared`` (from :func:`plan_shared_gather`) replaces the per-tensor TP all-gather and PP
+    broadcast: each rank writes its shards into a shared copy of the HF model and the tensors
+    yielded are views of it, valid until the next call (consume them, as a weight sync does).
+    Without it, a tensor needing no gather is the parameter itself.
     """
+    if shared is not None:
+        shared.publish()
+        for name, t in shared.tensors():
+            yield name, (t if dtype is None else t.to(dtype))
+        return
     layout = layout or Layout()
     te = _te(chunks, te)
     local = _local_params(chunks, desc, layout)
@@ -215,7 +234,6 @@ def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional
     dt = any_param.dtype
     for pm in param_maps(desc, te):
         owner = layout.owner(pm, desc.num_layers)
-        shape = full_shape(pm, desc)
         if owner == layout.pp_rank:
             shard = local[pm.megatron].detach()
             if pm.partition_dim is not None and layout.tp > 1:
@@ -225,7 +243,7 @@ def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional
             else:
                 full = shard
         else:
-            full = torch.empty(shape, dtype=dt, device=any_param.device)
+            full = torch.empty(full_shape(pm, desc), dtype=dt, device=any_param.device)
         if layout.pp > 1:
             full = full.contiguous()
             dist.broadcast(full, src=dist.get_global_rank(layout.pp_group, owner), group=layout.pp_group)

@@ -16,7 +16,7 @@ import torch
 from .names import ParamMap
 
 __all__ = ["tp_shard", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
-           "to_local_name", "to_global_name"]
+           "to_local_name", "to_global_name", "shard_into_hf"]
 
 
 def tp_rows(n: int, rank: int, size: int) -> slice:
@@ -87,3 +87,38 @@ def to_global_name(name: str, pp_rank: int, vp_stage: int, num_layers: int, pp: 
         return name
     g = global_layer(pp_rank, vp_stage, int(m.group(1)), num_layers, pp, vpp)
     return f"decoder.layers.{g}." + name[m.end():]
+
+
+def shard_into_hf(pm: ParamMap, shard: torch.Tensor, desc, rank: int, size: int, dest: dict) -> None:
+    """Copy TP rank ``rank``'s megatron shard of ``pm`` straight into its place in the full HF
+    tensors ``dest[hf_name]`` (contiguous): the per-rank form of ``to_hf(pm, tp_gather(...))``,
+    with no full megatron tensor and no intermediate copy. A replicated tensor is written by
+    rank 0 only; vocabulary padding rows are dropped."""
+    if pm.partition_dim is None or size == 1:
+        if rank:
+            return
+        rank, size = 0, 1
+    if pm.kind == "qkv":
+        q, k, v = (dest[n] for n in pm.hf)
+        groups, hd = desc.num_groups // size, desc.head_dim
+        per = desc.num_heads // desc.num_groups
+        rest = tuple(shard.shape[1:])
+        g = shard.reshape(groups, (per + 2) * hd, *rest)
+        q[tp_rows(q.shape[0], rank, size)].view(groups, per * hd, *rest).copy_(g[:, :per * hd])
+        k[tp_rows(k.shape[0], rank, size)].view(groups, hd, *rest).copy_(g[:, per * hd:(per + 1) * hd])
+        v[tp_rows(v.shape[0], rank, size)].view(groups, hd, *rest).copy_(g[:, (per + 1) * hd:])
+    elif pm.kind == "gate_up":
+        gate, up = (dest[n] for n in pm.hf)
+        half = shard.shape[0] // 2
+        gate[tp_rows(gate.shape[0], rank, size)].copy_(shard[:half])
+        up[tp_rows(up.shape[0], rank, size)].copy_(shard[half:])
+    elif pm.kind == "vocab":
+        out = dest[pm.hf[0]]
+        rows = tp_rows(desc.padded_vocab_size, rank, size)
+        hi = min(rows.stop, out.shape[0])
+        if hi > rows.start:
+            out[rows.start:hi].copy_(shard[:hi - rows.start])
+    else:
+        out = dest[pm.hf[0]]
+        cols = tp_rows(out.shape[pm.partition_dim], rank, size) if size > 1 else slice(None)
+        (out[cols] if pm.partition_dim in (0, None) else out[:, cols]).copy_(shard)
