@@ -27,7 +27,7 @@ M100 = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidde
             num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
 
 
-EOS_EVERY = 64  # mean tokens between EOS draws: sampled lengths, ~55 of at most 128 on average
+EOS_EVERY = 64  # mean tokens between EOS draws: sampled lengths, measured mean 62 of at most 128
 
 
 def make_models(root, quick):
@@ -61,12 +61,13 @@ def give_eos_rate(path, p, dim=0):
     logits = m.lm_head(h)
     logits[..., eos] = -math.inf
     rest = torch.logsumexp(logits, -1)
-    h0 = h[..., dim] * (1 if h[..., dim].mean() >= 0 else -1)
+    sign = 1.0 if h[..., dim].mean() >= 0 else -1.0
+    h0 = h[..., dim] * sign
     lo, hi = 0.0, 1e4
-    for _ in range(60):
+    for _ in range(60):  # the mean EOS probability grows with the weight
         w = (lo + hi) / 2
         lo, hi = (w, hi) if torch.sigmoid(w * h0 - rest).mean() < p else (lo, w)
-    m.lm_head.weight[eos, dim] = w * (1 if h[..., dim].mean() >= 0 else -1)
+    m.lm_head.weight[eos, dim] = w * sign
     m.save_pretrained(path, safe_serialization=True)
 
 
