@@ -82,8 +82,26 @@ def main(argv=None) -> int:
         if not isinstance(e, SystemExit) or e.code not in (0, None):
             print(f"megappo: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
+            _report_failure(e)
         raise
     return 0
+
+
+def _report_failure(e: BaseException) -> None:
+    """For a launcher that names the first failure (the Ray launcher sets MEGAPPO_FAILURE_FILE):
+    when this rank failed and why. When one rank fails, the others then fail too, in collectives
+    with the rank that left; the failure times tell the cause from its consequences."""
+    path = os.environ.get("MEGAPPO_FAILURE_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"time": time.time(), "error": f"{type(e).__name__}: {e}"[:500]}, f)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ nodes, orders the bundles node by node so that each node holds consecutive ranks
 groups stay inside a node), and starts one actor per bundle. Each actor runs ``python -m
 megappo.train`` as a child process with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); its output reaches the driver through Ray's log
-streaming. The first rank to fail stops the whole job: the driver names the rank and its exit
-status, stops every other rank's process and exits non-zero; nothing is left running.
+streaming. The first rank to fail stops the whole job: the driver names the rank, its exit status
+and the error it reported (ranks that fail after it, in collectives with the rank that left, are
+listed as such), stops every other rank's process and exits non-zero; nothing is left running.
 """
 from __future__ import annotations
 
@@ -102,15 +103,32 @@ def _make_rank_actor():
         def node(self) -> tuple[str, int]:
             return ray.util.get_node_ip_address(), _free_port()
 
-        def run(self, env: dict, argv: list[str]) -> int:
-            full = dict(os.environ, **env)
+        def run(self, env: dict, argv: list[str]) -> dict:
+            """Run the rank to its end: exit code, when it failed (its own report, else when it
+            died) and the error it reported."""
+            import json
+            import tempfile
+
+            fd, report = tempfile.mkstemp(prefix="megappo-failure-", suffix=".json")
+            os.close(fd)
+            full = dict(os.environ, **env, MEGAPPO_FAILURE_FILE=report)
             if env.get("MEGAPPO_RAY_DEVICE") == "cuda":
                 # Ray sets CUDA_VISIBLE_DEVICES to this bundle's GPU; every rank of a node must
                 # see all of the node's GPUs and pick LOCAL_RANK's (as under torchrun).
                 full.pop("CUDA_VISIBLE_DEVICES", None)
-            self.proc = subprocess.Popen([sys.executable, "-m", "megappo.train", *argv], env=full,
-                                         preexec_fn=_set_pdeathsig, start_new_session=True)
-            return self.proc.wait()
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-m", "megappo.train", *argv], env=full,
+                                             preexec_fn=_set_pdeathsig, start_new_session=True)
+                code = self.proc.wait()
+                out = {"code": code, "time": time.time(), "error": ""}
+                try:
+                    with open(report) as f:
+                        out.update({k: v for k, v in json.load(f).items() if k in ("time", "error")})
+                except (OSError, ValueError):
+                    pass  # killed, or failed before it could report
+                return out
+            finally:
+                os.unlink(report)
 
         def stop(self) -> None:
             if self.proc is not None and self.proc.poll() is None:
@@ -121,6 +139,19 @@ def _make_rank_actor():
                     os.killpg(self.proc.pid, signal.SIGKILL)
 
     return RankActor
+
+
+FAILURE_GRACE_S = 3.0
+
+
+def _outcome(ray, ref, rank: int) -> dict:
+    try:
+        out = dict(ray.get(ref))
+        out["why"] = _describe_exit(out["code"])
+    except Exception as e:  # the actor itself died (node lost, OOM kill)
+        out = {"code": 1, "time": time.time(), "error": "", "why": f"lost its actor: {type(e).__name__}: {e}"}
+    out["rank"] = rank
+    return out
 
 
 def _describe_exit(code: int) -> str:
@@ -180,15 +211,21 @@ def main(argv=None) -> int:
     try:
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            rank = refs[done[0]]
-            try:
-                code = ray.get(done[0])
-                why = _describe_exit(code)
-            except Exception as e:  # the actor itself died (node lost, OOM kill)
-                code, why = 1, f"lost its actor: {type(e).__name__}: {e}"
-            if code != 0:
-                print(f"megappo ray: rank {rank} {why}; stopping the other {len(pending)} rank(s)", file=sys.stderr,
-                      flush=True)
+            first = _outcome(ray, done[0], refs[done[0]])
+            if first["code"] != 0:
+                # The other ranks fail moments later in collectives with the rank that left, and
+                # may be reaped first: collect them briefly and name the earliest failure.
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+                failed = [first] + [o for o in (_outcome(ray, r, refs[r]) for r in more) if o["code"] != 0]
+                failed.sort(key=lambda o: o["time"])
+                cause = failed[0]
+                print(f"megappo ray: rank {cause['rank']} {cause['why']}"
+                      f"{': ' + cause['error'] if cause['error'] else ''}; stopping the other "
+                      f"{len(refs) - 1} rank(s)", file=sys.stderr, flush=True)
+                if len(failed) > 1:
+                    print("megappo ray: failed after it: " + ", ".join(f"rank {o['rank']} ({o['why']})" for o in failed[1:]),
+                          file=sys.stderr, flush=True)
+                code = cause["code"]
                 status = code if 0 < code < 256 else 1
                 break
     except KeyboardInterrupt:
