@@ -33,15 +33,20 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, 
     return torch.cat([qg, kg, vg], dim=1).reshape((num_heads + 2 * num_groups) * head_dim, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
-    """Inverse of :func:`fuse_qkv`: megatron linear_qkv -> (q, k, v) in HF layout."""
+def qkv_group_views(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
+    """Views (no copy) of megatron linear_qkv's q, k, v per query group: shapes
+    (G, H/G*d, ...), (G, d, ...), (G, d, ...). HF's q, k, v are these with the first two dims merged."""
     per = num_heads // num_groups
     rest = qkv.shape[1:]
     _expect(qkv, ((num_heads + 2 * num_groups) * head_dim, *rest), "linear_qkv")
     g = qkv.reshape(num_groups, (per + 2) * head_dim, *rest)
-    q, k, v = torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(num_heads * head_dim, *rest).contiguous(), k.reshape(num_groups * head_dim, *rest).contiguous(),
-            v.reshape(num_groups * head_dim, *rest).contiguous())
+    return torch.split(g, [per * head_dim, head_dim, head_dim], dim=1)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
+    """Inverse of :func:`fuse_qkv`: megatron linear_qkv -> (q, k, v) in HF layout."""
+    return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous()
+                 for t in qkv_group_views(qkv, num_heads, num_groups, head_dim))
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

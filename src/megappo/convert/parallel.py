@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .layout import qkv_group_views
 from .names import ParamMap
 
 __all__ = ["tp_shard", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
@@ -98,15 +99,12 @@ def shard_into_hf(pm: ParamMap, shard: torch.Tensor, desc, rank: int, size: int,
         if rank:
             return
         rank, size = 0, 1
-    if pm.kind == "qkv":
-        q, k, v = (dest[n] for n in pm.hf)
-        groups, hd = desc.num_groups // size, desc.head_dim
-        per = desc.num_heads // desc.num_groups
-        rest = tuple(shard.shape[1:])
-        g = shard.reshape(groups, (per + 2) * hd, *rest)
-        q[tp_rows(q.shape[0], rank, size)].view(groups, per * hd, *rest).copy_(g[:, :per * hd])
-        k[tp_rows(k.shape[0], rank, size)].view(groups, hd, *rest).copy_(g[:, per * hd:(per + 1) * hd])
-        v[tp_rows(v.shape[0], rank, size)].view(groups, hd, *rest).copy_(g[:, (per + 1) * hd:])
+    if pm.kind == "qkv":  # the rank holds whole query groups: its q, k, v rows are contiguous in HF's
+        groups = desc.num_groups // size
+        views = qkv_group_views(shard, desc.num_heads // size, groups, desc.head_dim)
+        for name, part in zip(pm.hf, views):
+            out = dest[name]
+            out[tp_rows(out.shape[0], rank, size)].view(part.shape).copy_(part)
     elif pm.kind == "gate_up":
         gate, up = (dest[n] for n in pm.hf)
         half = shard.shape[0] // 2
