@@ -53,7 +53,8 @@ class RolloutBatch:
         """(B, T) index into a sequence's next-token predictions: response token t of row i is
         predicted at position prompt_len_i + t - 1."""
         T = self.responses.shape[1]
-        return (self.prompt_lengths[:, None] + torch.arange(T)[None, :] - 1).clamp(
+        arange = torch.arange(T, device=self.prompt_lengths.device)
+        return (self.prompt_lengths[:, None] + arange[None, :] - 1).clamp(
             max=self.input_ids.shape[1] - 2)
 
     def select(self, index) -> "RolloutBatch":
@@ -62,6 +63,14 @@ class RolloutBatch:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             out[f.name] = v[index] if isinstance(v, torch.Tensor) else v
+        return RolloutBatch(**out)
+
+    def to(self, device, non_blocking: bool = False) -> "RolloutBatch":
+        """Every present tensor field on ``device`` (the worker boundary: host batch -> device)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
         return RolloutBatch(**out)
 
     def split(self, size: int) -> list["RolloutBatch"]:

@@ -18,6 +18,10 @@ without it) and that it works (megatron runs with it):
 - ``sync``:   ``torch.cuda.synchronize`` (pipeline p2p, dist_checkpointing's writer) is a no-op.
 - ``tensor_type``: the optimizer asserts parameters report ``torch.cuda.FloatTensor``; the mode
               reports CPU tensors' type strings with the ``torch.cuda.`` prefix.
+
+``install(check_devices=True)`` (the CPU device check, :mod:`megappo.device_check`) replaces the
+plain rewrite with one that also tracks which tensors would live on the GPU and fails where CUDA or
+NCCL would; ``torch.cuda.current_device()`` then answers ``LOCAL_RANK``.
 """
 from __future__ import annotations
 
@@ -30,10 +34,18 @@ __all__ = ["PIECES", "install", "installed"]
 
 PIECES = ("rng", "device", "backward", "sync", "tensor_type")
 _installed: set[str] = set()
+_mode_factory = None  # builds the mode the backward piece enters (the same kind as the global one)
 
 
 def installed() -> frozenset:
     return frozenset(_installed)
+
+
+def device_check_on() -> bool:
+    """True when this process runs under the CPU device check (simulated CUDA device)."""
+    from megappo import device_check
+
+    return device_check._installed
 
 
 def _cpu_device(d):
@@ -88,10 +100,22 @@ def _install_rng() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
 
 
-def _install_mode(devices: bool, tensor_type: bool) -> None:
-    if devices:
-        torch.cuda.current_device = lambda: 0
-    _CudaToCpu(devices, tensor_type).__enter__()  # global for this thread, for the life of the process
+def _install_mode(devices: bool, tensor_type: bool, check_devices: bool = False) -> None:
+    global _mode_factory
+    if check_devices:
+        import os
+
+        from megappo import device_check
+
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.current_device = lambda: index
+        _mode_factory = lambda: device_check.SimulatedCuda(tensor_type, index)  # noqa: E731
+        device_check.install_collective_guard()
+    else:
+        if devices:
+            torch.cuda.current_device = lambda: 0
+        _mode_factory = lambda: _CudaToCpu(devices, tensor_type)  # noqa: E731
+    _mode_factory().__enter__()  # global for this thread, for the life of the process
 
 
 def _install_backward() -> None:
@@ -99,7 +123,8 @@ def _install_backward() -> None:
     original = BackwardCFunction.apply
 
     def apply(self, *args):
-        with _CudaToCpu("device" in _installed, "tensor_type" in _installed):
+        mode = _mode_factory() if _mode_factory is not None else _CudaToCpu(False, False)
+        with mode:
             return original(self, *args)
 
     BackwardCFunction.apply = apply
@@ -109,8 +134,9 @@ def _install_sync() -> None:
     torch.cuda.synchronize = lambda device=None: None
 
 
-def install(pieces=PIECES) -> None:
-    """Install the named pieces (all by default); installing twice is a no-op."""
+def install(pieces=PIECES, check_devices: bool = False) -> None:
+    """Install the named pieces (all by default); installing twice is a no-op. ``check_devices``
+    (needs the ``device`` piece) turns on the CPU device check; it must come with the first call."""
     unknown = set(pieces) - set(PIECES)
     if unknown:
         raise ValueError(f"unknown megatron_cpu pieces {sorted(unknown)}; known: {', '.join(PIECES)}")
@@ -118,10 +144,13 @@ def install(pieces=PIECES) -> None:
         raise RuntimeError("megatron_cpu.install() is for CPU-only runs; this process sees a CUDA device "
                            "(use trainer.device=cuda)")
     todo = [p for p in PIECES if p in pieces and p not in _installed]
+    if check_devices and "device" not in todo and not device_check_on():
+        raise RuntimeError("megatron_cpu.install(check_devices=True) must be the first install of the device piece")
     if "rng" in todo:
         _install_rng()
     if "device" in todo or "tensor_type" in todo:
-        _install_mode(devices="device" in todo, tensor_type="tensor_type" in todo)
+        _install_mode(devices="device" in todo, tensor_type="tensor_type" in todo,
+                      check_devices=check_devices and "device" in todo)
     if "backward" in todo:
         _install_backward()
     if "sync" in todo:

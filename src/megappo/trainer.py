@@ -16,15 +16,18 @@ from megappo.config import PPOConfig, critic_enabled, parallel_layout
 __all__ = ["PPOTrainer", "init_distributed"]
 
 
-def init_distributed(cfg: PPOConfig) -> None:
+def init_distributed(cfg: PPOConfig) -> torch.device:
     """torch.distributed from the launcher's environment (torchrun, srun, Ray); megatron's
-    parallel state from the config. On CPU the megatron adaptation is installed first."""
+    parallel state from the config. On CPU the megatron adaptation is installed first (with the
+    device check when ``MEGAPPO_CHECK_DEVICES=1``). Returns this process's device."""
     import datetime
 
-    if cfg.trainer.device == "cpu":
-        from megappo import megatron_cpu
+    from megappo.distributed import process_device
 
-        megatron_cpu.install()
+    if cfg.trainer.device == "cpu":
+        from megappo import device_check, megatron_cpu
+
+        megatron_cpu.install(check_devices=device_check.enabled_by_env())
     if not dist.is_initialized():
         backend = "gloo" if cfg.trainer.device == "cpu" else "nccl"
         if backend == "nccl":
@@ -35,6 +38,7 @@ def init_distributed(cfg: PPOConfig) -> None:
     m = cfg.actor_rollout_ref.actor.megatron
     initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                         m.virtual_pipeline_model_parallel_size, seed=m.seed)
+    return process_device(cfg.trainer.device)
 
 
 class PPOTrainer:
@@ -44,6 +48,7 @@ class PPOTrainer:
 
         from megappo.convert.hf_io import Layout, load_hf_weights
         from megappo.data import PromptDataset, PromptSampler
+        from megappo.distributed import host_dp_group, process_device
         from megappo.metrics import MetricsLogger, Timer
         from megappo.models import build_model, describe, load_hf_config, transformer_config
         from megappo.rewards import load_custom_reward
@@ -54,7 +59,10 @@ class PPOTrainer:
         arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lay = parallel_layout(cfg, self.world)
-        self.dp_group = ps.get_data_parallel_group()
+        # Host-side collectives over DP (advantages, KL controller, metrics) carry CPU tensors of
+        # the batch the trainer keeps on the host: they use megatron's gloo DP group.
+        self.dp_group = host_dp_group()
+        self.device = process_device(tr.device)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         m = arr.actor.megatron
         tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
@@ -84,7 +92,7 @@ class PPOTrainer:
         def build(value_head: bool, model_path: str):
             info = describe(load_hf_config(model_path), tp=tp, value_head=value_head)
             tcfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=m.sequence_parallel,
-                                      params_dtype=dtype, cpu=cpu)
+                                      params_dtype=dtype, cpu=self.device.type == "cpu")
             chunks = build_model(info, tcfg, value_head=value_head, seed=m.seed)
             load_hf_weights(chunks, model_path, info.desc, Layout.from_megatron())
             return info, tcfg, chunks
@@ -93,7 +101,7 @@ class PPOTrainer:
         o = arr.actor.optim
         warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
         self.info, tcfg, chunks = build(False, path)
-        self.actor = Actor(chunks, tcfg, vocab_size=self.info.desc.vocab_size, lr=o.lr, weight_decay=o.weight_decay,
+        self.actor = Actor(chunks, tcfg, device=self.device, vocab_size=self.info.desc.vocab_size, lr=o.lr, weight_decay=o.weight_decay,
                            clip_grad=o.clip_grad, betas=tuple(o.betas), use_distributed_optimizer=m.use_distributed_optimizer,
                            pad_token_id=self.pad_id, lr_warmup_steps=warm, lr_decay_steps=total,
                            lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
@@ -101,13 +109,14 @@ class PPOTrainer:
         self.ref = None
         if self.use_ref:
             _, rcfg, rchunks = build(False, path)
-            self.ref = Actor(rchunks, rcfg, vocab_size=self.info.desc.vocab_size, pad_token_id=self.pad_id)
+            self.ref = Actor(rchunks, rcfg, device=self.device, vocab_size=self.info.desc.vocab_size,
+                             pad_token_id=self.pad_id)
         self.critic = None
         if critic_enabled(cfg):
             co = cfg.critic.optim
             cwarm = co.lr_warmup_steps if co.lr_warmup_steps >= 0 else int(co.lr_warmup_steps_ratio * total)
             _, ccfg, cchunks = build(True, os.path.expanduser(cfg.critic.model.path))
-            self.critic = Critic(cchunks, ccfg, lr=co.lr, weight_decay=co.weight_decay, clip_grad=co.clip_grad,
+            self.critic = Critic(cchunks, ccfg, device=self.device, lr=co.lr, weight_decay=co.weight_decay, clip_grad=co.clip_grad,
                                  betas=tuple(co.betas), use_distributed_optimizer=m.use_distributed_optimizer,
                                  pad_token_id=self.pad_id, lr_warmup_steps=cwarm, lr_decay_steps=total,
                                  lr_decay_style=co.lr_decay_style, min_lr=co.min_lr)
@@ -119,7 +128,7 @@ class PPOTrainer:
             if rm_info.desc.vocab_size < len(self.tokenizer):
                 raise ValueError(f"reward_model.model.path: its vocabulary ({rm_info.desc.vocab_size}) is smaller than "
                                  f"the actor tokenizer's ({len(self.tokenizer)}); the reward model must share it")
-            self.reward_model = RewardModel(rmchunks, rmcfg, pad_token_id=self.pad_id)
+            self.reward_model = RewardModel(rmchunks, rmcfg, device=self.device, pad_token_id=self.pad_id)
         self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.sampler = PromptSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
         self.step_no = 0
@@ -186,7 +195,7 @@ class PPOTrainer:
         """Collective: every rank stops with the same error when any rank holds a NaN/inf in
         ``tensors`` after ``stage`` -- before anything is synced, logged or checkpointed."""
         bad = [name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())]
-        flag = torch.tensor([1.0 if bad else 0.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
             what = ", ".join(bad) if bad else "values on another rank"
@@ -206,7 +215,7 @@ class PPOTrainer:
             from megatron.core import parallel_state as ps
 
             n = torch.tensor([float(sum(p.numel() for c in self.actor.chunks for p in c.parameters()))],
-                             device="cuda" if self.cfg.trainer.device == "cuda" else "cpu")
+                             device=self.device)
             dist.all_reduce(n, group=ps.get_model_parallel_group())
             self._n_params = int(n.item())
         return self._n_params

@@ -189,14 +189,15 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
     gid = group_index.to(torch.int64)
     if dp_group is not None:
         # Agree on the set of ids: gather every rank's ids (small: one int per sample).
-        world = dist.get_world_size(dp_group)
-        n_local = torch.tensor([gid.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        # On the inputs' device: the group's backend decides (NCCL: cuda tensors, gloo: host).
+        world, dv = dist.get_world_size(dp_group), gid.device
+        n_local = torch.tensor([gid.numel()], dtype=torch.int64, device=dv)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dv) for _ in range(world)]
         dist.all_gather(sizes, n_local, group=dp_group)
         mx = int(max(x.item() for x in sizes))
-        padded = torch.full((mx,), -1, dtype=torch.int64)
-        padded[: gid.numel()] = gid.cpu()
-        bufs = [torch.empty(mx, dtype=torch.int64) for _ in range(world)]
+        padded = torch.full((mx,), -1, dtype=torch.int64, device=dv)
+        padded[: gid.numel()] = gid
+        bufs = [torch.empty(mx, dtype=torch.int64, device=dv) for _ in range(world)]
         dist.all_gather(bufs, padded, group=dp_group)
         all_ids = torch.cat(bufs)
         uniq = torch.unique(all_ids[all_ids >= 0]).to(gid.device)

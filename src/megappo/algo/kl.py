@@ -113,7 +113,7 @@ def apply_kl_in_reward(token_level_scores, old_log_prob, ref_log_prob, response_
     beta = kl_ctrl.value
     rewards = token_level_scores - beta * kld
     per_seq = masked_mean(kld, response_mask, dim=-1).double()
-    acc = torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=torch.float64)])
+    acc = torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=torch.float64, device=per_seq.device)])
     if dp_group is not None:
         dist.all_reduce(acc, group=dp_group)
     current_kl = (acc[0] / acc[1].clamp(min=1)).item()

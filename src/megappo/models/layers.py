@@ -13,11 +13,16 @@ import torch
 __all__ = ["RMSNorm", "QKRMSNorm", "ValueHead", "te_available", "layer_spec"]
 
 
+def init_device(config):
+    """Where megatron creates parameters: the current CUDA device unless use_cpu_initialization."""
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=init_device(config)))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,8 +45,9 @@ class ValueHead(torch.nn.Module):
 
     ``weight`` (1, hidden) and ``bias`` (1,) map to HF's ``score.weight`` / ``score.bias``.
     Replicated on every TP rank (one output cannot be split); under sequence parallelism the
-    hidden states are gathered first. Init: N(0, 1/(hidden + 1)) from a generator seeded with
-    ``seed`` so every rank holds the same head.
+    hidden states are gathered first. Init: N(0, 1/(hidden + 1)) from a CPU generator seeded with
+    ``seed`` so every rank holds the same head, then placed where megatron places parameters
+    (the current CUDA device unless ``use_cpu_initialization``).
     """
 
     def __init__(self, config, seed: int):
@@ -50,10 +56,11 @@ class ValueHead(torch.nn.Module):
         self.sequence_parallel = bool(config.sequence_parallel)
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float32) / (config.hidden_size + 1) ** 0.5
-        self.weight = torch.nn.Parameter(w.to(config.params_dtype))
+        device = init_device(config)
+        self.weight = torch.nn.Parameter(w.to(device=device, dtype=config.params_dtype))
         # transformers' token-classification head (a one-label reward model, the critic export)
         # has a bias; starting at zero it changes nothing until a checkpoint sets it.
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
@@ -64,13 +71,15 @@ class ValueHead(torch.nn.Module):
 
 
 def te_available() -> bool:
+    """Whether megatron itself can use TransformerEngine. A broken TE install still imports
+    (its ``__init__`` swallows the error) while megatron's own import of TE's pieces fails and
+    sets ``HAVE_TE = False``; asking for the TE spec then would build a spec without TE."""
     if not torch.cuda.is_available():
         return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from megatron.core.extensions import transformer_engine as mte
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE and mte.HAVE_TE)
 
 
 def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=None):

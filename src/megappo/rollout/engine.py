@@ -220,6 +220,8 @@ class VLLMRollout:
             self.wake_up(tags=["weights"])
         t0 = time.perf_counter()
         n_bytes = n_buckets = 0
+        if self.device == "cpu":  # the engine's device: trainer tensors from a (simulated) GPU come home
+            named_tensors = ((n, t.cpu()) for n, t in named_tensors)
         if self.tie_word_embeddings:
             named_tensors = _with_tied_head(named_tensors)
         for bucket in layer_buckets(named_tensors, bucket_bytes):

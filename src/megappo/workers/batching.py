@@ -1,7 +1,7 @@
 """Micro-batching: a fixed number of samples, or a token budget (``use_dynamic_bsz``)."""
 from __future__ import annotations
 
-__all__ = ["token_budget_groups", "micro_batch_groups"]
+__all__ = ["token_budget_groups", "micro_batch_groups", "fit_to_multiple"]
 
 
 def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -32,6 +32,23 @@ def micro_batch_groups(n: int, lengths: list[int], micro_batch_size=None, max_to
     if micro_batch_size is None or n % micro_batch_size:
         raise ValueError(f"{n} samples do not split into micro-batches of {micro_batch_size}")
     return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)]
+
+
+def fit_to_multiple(groups: list[list[int]], lengths: list[int], multiple: int) -> list[list[int]]:
+    """Micro-batch groups whose count is a multiple of ``multiple`` and at least ``multiple``
+    (megatron's interleaved pipeline schedule needs both). The heaviest group (count x longest)
+    is halved until the count fits; when every group is a single sample, empty groups (padding
+    micro-batches) are appended."""
+    groups = [list(g) for g in groups]
+    target = max(multiple, -(-len(groups) // multiple) * multiple)
+    while len(groups) < target:
+        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda i: (len(groups[i]) * max(lengths[j] for j in groups[i]), -i))
+        g = sorted(groups[i], key=lambda j: -lengths[j])
+        groups[i:i + 1] = [sorted(g[0::2]), sorted(g[1::2])]  # alternate: both halves keep long and short
+    return groups + [[] for _ in range(target - len(groups))]
 
 
 def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits
+from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, module_device
 
-from .batching import micro_batch_groups
+from .batching import fit_to_multiple, micro_batch_groups
 
 __all__ = ["MegatronWorker", "Actor", "Critic"]
 
@@ -38,9 +38,14 @@ def _pad_seq(ids: torch.Tensor, multiple: int, pad: int) -> torch.Tensor:
 
 
 class MegatronWorker:
-    """Model chunks (one per VPP stage) + optional DDP and megatron optimizer."""
+    """Model chunks (one per VPP stage) + optional DDP and megatron optimizer.
 
-    def __init__(self, chunks, config, *, lr: Optional[float] = None, weight_decay: float = 0.0,
+    Devices: the worker computes on ``device`` (default: where its parameters are; every parameter
+    must be there). Batches arrive on the host; each micro-batch is moved to the device at the
+    schedule's boundary, collectives over megatron's groups (NCCL on GPU) carry device tensors,
+    and per-sample results go back to the host."""
+
+    def __init__(self, chunks, config, *, device=None, lr: Optional[float] = None, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, betas=(0.9, 0.999), use_distributed_optimizer: bool = True,
                  pad_token_id: int = 0, optimizer: str = "adam", lr_warmup_steps: int = 0,
                  lr_decay_steps: Optional[int] = None, lr_decay_style: str = "constant", min_lr: float = 0.0):
@@ -48,6 +53,9 @@ class MegatronWorker:
 
         self.config = config
         self.pad_token_id = pad_token_id
+        self.device = module_device(chunks)
+        if device is not None and torch.device(device) != self.device:
+            raise ValueError(f"the model's parameters are on {self.device}, not on the worker's device {device}")
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
@@ -90,9 +98,12 @@ class MegatronWorker:
         pad = self.tp if self.config.sequence_parallel else 1
         seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
         data = list(zip(micro_batches, seqs))
+        dev = self.device
 
         def forward_step(data_iterator, model):
             mb, ids = next(data_iterator)
+            # One micro-batch on the device at a time (its loss closure keeps it until backward).
+            mb, ids = mb.to(dev, non_blocking=True), ids.to(dev, non_blocking=True)
             pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
             out = model(ids, pos, attention_mask=None)
             return out, partial(loss_fn, mb, ids)
@@ -104,21 +115,34 @@ class MegatronWorker:
             seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only)
 
-    @staticmethod
-    def _micro(batch: RolloutBatch, micro_batch_size, max_token_len) -> tuple[list[RolloutBatch], list[int]]:
-        """Micro-batches and the order of their concatenated rows in ``batch``."""
+    def _micro(self, batch: RolloutBatch, micro_batch_size, max_token_len) -> tuple[list[RolloutBatch], list[int]]:
+        """Micro-batches and the order of their concatenated rows in ``batch``.
+
+        megatron's interleaved (VPP) schedule needs a multiple of PP micro-batches (at least PP);
+        token budgets give data-dependent counts, so the heaviest micro-batches are split and,
+        when there are too few samples, padding micro-batches follow the real ones: a copy of
+        the shortest sample with an all-zero response mask (no loss, no gradient, output dropped)."""
         lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
         groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
-        return [batch.select(g) for g in groups], [i for g in groups for i in g]
+        if len(self.model) > 1:
+            groups = fit_to_multiple(groups, lengths, self.pp)
+        real = [g for g in groups if g]
+        micros = [batch.select(g) for g in real]
+        if len(real) < len(groups):
+            pad = batch.select([min(range(len(batch)), key=lambda i: lengths[i])])
+            pad.response_mask = torch.zeros_like(pad.response_mask)
+            micros += [pad] * (len(groups) - len(real))
+        return micros, [i for g in real for i in g]
 
     def _gather_rows(self, outs, key, order, shape) -> torch.Tensor:
-        """Concatenate per-micro-batch outputs (last stage) back into batch order, on every stage."""
+        """Concatenate per-micro-batch outputs (last stage) back into batch order, on every
+        stage, on the host. Padding micro-batches come last and are dropped."""
         t = None
         if self.is_last:
-            cat = torch.cat([o[key] for o in outs])
+            cat = torch.cat([o[key] for o in outs])[:len(order)]
             t = torch.empty_like(cat)
             t[torch.tensor(order)] = cat
-        return self._from_last_stage(t, shape)
+        return self._from_last_stage(t, shape).cpu()
 
     @torch.no_grad()
     def _forward(self, batch: RolloutBatch, micro_batch_size, max_token_len, per_sample) -> torch.Tensor:
@@ -142,8 +166,9 @@ class MegatronWorker:
         history["lr"] = [self.optimizer.param_groups[0]["lr"]]
         for _ in range(ppo_epochs):
             for mini in batch.split(mini_batch_size):
-                norm = dict(global_tokens=algo.global_count(mini.response_mask, self.dp_group),
-                            global_seqs=algo.global_seq_count(mini.response_mask, self.dp_group))
+                mask = mini.response_mask.to(self.device)
+                norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
+                            global_seqs=algo.global_seq_count(mask, self.dp_group))
                 micros, _ = self._micro(mini, micro_batch_size, max_token_len)
                 scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
                 loss_fn = make_loss(norm)
@@ -162,12 +187,12 @@ class MegatronWorker:
         """A tensor computed on the last pipeline stage, on every stage."""
         if self.pp == 1:
             return t
-        buf = t.contiguous() if self.is_last else torch.empty(shape, dtype=dtype)
+        buf = t.contiguous() if self.is_last else torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buf, src=self.last_rank, group=self.pp_group)
         return buf
 
     def _global_sum(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
         if self.is_last:
             dist.all_reduce(t, group=self.dp_group)
         return self._from_last_stage(t, (1,), torch.float64).item()
@@ -227,7 +252,7 @@ class Actor(MegatronWorker):
                                          clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **norm)
                 ent_loss = algo.agg_loss(ent, mb.response_mask, loss_agg_mode, **norm)
                 loss = pg - entropy_coeff * ent_loss
-                kl = torch.zeros(())
+                kl = torch.zeros((), device=lp.device)
                 if use_kl_loss:
                     kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, kl_loss_type), mb.response_mask,
                                        loss_agg_mode, **norm)
