@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -14,17 +15,35 @@ from megappo.batch import RolloutBatch
 
 __all__ = ["data_metrics", "Timer", "MetricsLogger", "peak_flops", "mfu"]
 
-# Dense bf16 tensor-core peak per GPU (datasheets, without sparsity), by device-name substring.
-_PEAK_BF16_TFLOPS = (("GB200", 2500), ("B200", 2250), ("H200", 989), ("H100", 989), ("H800", 989), ("H20", 148),
-                     ("A100", 312), ("A800", 312), ("L40S", 362), ("A10G", 70), ("L4", 121))
+# Dense bf16 tensor-core peak per GPU in TFLOPS, keyed by words of torch.cuda.get_device_name().
+# NVIDIA's datasheets lead with the 2:4-sparse figure; dense is half of it. One form factor's name
+# carries no suffix ("NVIDIA H100 80GB HBM3" is the SXM part), so a suffixed key must outrank it:
+# the key with the most matching words wins. Whole words, so "H20" is not read in "H200"/"GH200",
+# "B200" not in "GB200", "L4" not in "L40S".
+_PEAK_BF16_TFLOPS = {
+    # GB200 NVL72 and HGX B200 specifications: 5 and 4.5 PFLOPS sparse per GPU
+    ("gb200",): 2500, ("b200",): 2250,
+    # Hopper whitepaper: SXM5 989.4, PCIe 756.5; H100 datasheet: NVL 1,671 sparse. H800 SXM/PCIe are
+    # export variants of those parts (less NVLink bandwidth) with the same bf16 tensor-core peaks.
+    ("h100",): 989.4, ("h100", "pcie"): 756.5, ("h100", "nvl"): 835,
+    ("h800",): 989.4, ("h800", "pcie"): 756.5,
+    # H200 datasheet: SXM 1,979, NVL 1,671 sparse; GH200 datasheet: 1,979 sparse
+    ("h200",): 989, ("h200", "nvl"): 835, ("gh200",): 989,
+    ("h20",): 148,  # NVIDIA's H20 specification (China export part, no public datasheet)
+    ("a100",): 312, ("a800",): 312,  # A100 datasheet, SXM4 and PCIe alike: 312 | 624 sparse
+    # L40S datasheet 362.05; L40 datasheet 181.05 | 362.1 sparse; L4 datasheet 242 sparse
+    ("l40s",): 362, ("l40",): 181, ("l4",): 121,
+    ("a10g",): 70,  # AWS-only part without an NVIDIA datasheet: the figure in common use, unverified
+}
 
 
 def peak_flops(device_name: str) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one GPU by its name (torch.cuda.get_device_name); None if unknown."""
-    for key, tflops in _PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return tflops * 1e12
-    return None
+    words = set(re.split(r"[^0-9a-z]+", device_name.lower()))
+    matches = [key for key in _PEAK_BF16_TFLOPS if words.issuperset(key)]
+    if not matches:
+        return None
+    return _PEAK_BF16_TFLOPS[max(matches, key=len)] * 1e12
 
 
 def mfu(n_params: int, tokens: float, seconds: float, n_gpus: int, peak: float) -> float:

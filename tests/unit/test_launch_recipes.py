@@ -70,6 +70,34 @@ def test_ray_launcher_rank_plan_keeps_nodes_contiguous():
         (0, "10.0.0.2", 0, 0), (2, "10.0.0.2", 1, 0), (1, "10.0.0.1", 0, 1), (3, "10.0.0.1", 1, 1)]
 
 
+def _exported_by_common_sh(**env) -> dict:
+    """Variables that sourcing launch/common.sh adds to or changes in a GPU rank's environment
+    (torchrun and SLURM ranks inherit them)."""
+    base = {"PATH": os.environ["PATH"], "ACTOR_TP": "1", "ACTOR_PP": "1", "MODEL_PATH": "m", **env}
+    out = subprocess.run(["bash", "-c", f'env -0; printf "\\1"; source "{REPO}/launch/common.sh" && env -0'],
+                         env=base, capture_output=True, text=True, check=True, timeout=60).stdout
+    before, after = ({k: v for k, _, v in (kv.partition("=") for kv in part.split("\0") if kv)}
+                     for part in out.split("\1"))
+    return {k: v for k, v in after.items() if before.get(k) != v}
+
+
+def test_ray_launcher_gives_gpu_ranks_what_the_shell_launchers_export():
+    from megappo.launch.ray import rank_env, rank_plan
+
+    plan = rank_plan(["n0", "n0", "n1", "n1"], {"n0": "10.0.0.1", "n1": "10.0.0.2"})
+    for user in ({}, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}):  # what a user exported, on the rank's node
+        shell = _exported_by_common_sh(**user)
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" in shell
+        for rank, entry in enumerate(plan):
+            rank_process = dict(user, **rank_env(rank, entry, 4, "10.0.0.1", 29500, "cuda"))  # as RankActor.run
+            assert {k: rank_process.get(k) for k in shell} == shell
+    # torchrun's variables, consistent with the plan
+    env = rank_env(3, plan[3], 4, "10.0.0.1", 29500, "cpu")
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (
+        "3", str(plan[3]["local_rank"]), "4", str(plan[3]["local_world"]), str(plan[3]["node_rank"]))
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29500")
+
+
 def test_ray_launcher_rejects_a_bad_config_before_starting_ray(capsys):
     import pytest
 

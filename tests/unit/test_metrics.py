@@ -89,7 +89,16 @@ def test_logger_resume_drops_steps_after_the_checkpoint(tmp_path):
 def test_mfu_figures():
     from megappo.metrics import mfu, peak_flops
 
-    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops("NVIDIA GB200") == 2500e12 and peak_flops("Some CPU") is None
+    # names as torch.cuda.get_device_name() returns them -> dense bf16 TFLOPS (datasheets, no sparsity)
+    expected = {
+        "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.5, "NVIDIA H100 NVL": 835,
+        "NVIDIA H200": 989, "NVIDIA H200 NVL": 835, "NVIDIA GH200 480GB": 989,
+        "NVIDIA H800": 989.4, "NVIDIA H800 PCIe": 756.5, "NVIDIA H20": 148,
+        "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100 80GB PCIe": 312, "NVIDIA A800-SXM4-80GB": 312,
+        "NVIDIA L40S": 362, "NVIDIA L40": 181, "NVIDIA L4": 121, "NVIDIA A10G": 70,
+        "NVIDIA B200": 2250, "NVIDIA GB200": 2500,
+    }
+    assert {name: peak_flops(name) for name in expected} == {name: t * 1e12 for name, t in expected.items()}
+    assert peak_flops("Some CPU") is None and peak_flops("NVIDIA H10") is None
     # 8B params, 1M tokens in 100 s on 8 H100s: 6*8e9*1e6 / (100*8*989e12) = 6.07%
     assert mfu(8_000_000_000, 1e6, 100.0, 8, 989e12) == pytest.approx(0.0606673, rel=1e-5)

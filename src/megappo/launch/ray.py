@@ -5,10 +5,11 @@ Reserves one bundle per rank (a GPU, or a CPU on CPU runs) in a placement group 
 nodes, orders the bundles node by node so that each node holds consecutive ranks (tensor-parallel
 groups stay inside a node), and starts one actor per bundle. Each actor runs ``python -m
 megappo.train`` as a child process with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); its output reaches the driver through Ray's log
-streaming. The first rank to fail stops the whole job: the driver names the rank, its exit status
-and the error it reported (ranks that fail after it, in collectives with the rank that left, are
-listed as such), stops every other rank's process and exits non-zero; nothing is left running.
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus what launch/common.sh exports for GPU ranks (see
+:func:`rank_env`); its output reaches the driver through Ray's log streaming. The first rank to
+fail stops the whole job: the driver names the rank, its exit status and the error it reported
+(ranks that fail after it, in collectives with the rank that left, are listed as such), stops
+every other rank's process and exits non-zero; nothing is left running.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["main", "rank_plan"]
+__all__ = ["main", "rank_plan", "rank_env"]
 
 
 def rank_plan(bundle_nodes: list[str], node_ips: dict[str, str]) -> list[dict]:
@@ -34,6 +35,21 @@ def rank_plan(bundle_nodes: list[str], node_ips: dict[str, str]) -> list[dict]:
             plan.append({"bundle": bundle, "ip": node_ips[node], "local_rank": local_rank,
                          "local_world": len(local), "node_rank": node_rank})
     return plan
+
+
+def rank_env(rank: int, entry: dict, world: int, master_ip: str, master_port: int, device: str) -> dict:
+    """The variables a rank's trainer process gets over its actor's environment (they win): what
+    torchrun gives a rank, and on GPU what launch/common.sh exports for the torchrun/SLURM paths.
+    ``entry`` is the rank's item of :func:`rank_plan`."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(entry["local_rank"]), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(entry["local_world"]), "GROUP_RANK": str(entry["node_rank"]),
+           "MASTER_ADDR": master_ip, "MASTER_PORT": str(master_port), "MEGAPPO_RAY_DEVICE": device}
+    if device == "cuda":
+        # megatron overlaps TP/SP communication with compute only when kernels are issued in order.
+        # Set, not defaulted, as common.sh does: Ray workers do not inherit the driver's shell, and
+        # megatron's overlap is built for this value.
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return env
 
 
 def _parse(argv) -> tuple[argparse.Namespace, list[str]]:
@@ -201,9 +217,7 @@ def main(argv=None) -> int:
     master_ip, master_port = ray.get(actors[0].node.remote())
     refs = {}
     for rank, (actor, p) in enumerate(zip(actors, plan)):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(p["local_rank"]), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(p["local_world"]), "GROUP_RANK": str(p["node_rank"]),
-               "MASTER_ADDR": master_ip, "MASTER_PORT": str(master_port), "MEGAPPO_RAY_DEVICE": args.device}
+        env = rank_env(rank, p, world, master_ip, master_port, args.device)
         refs[actor.run.remote(env, train)] = rank
     print(f"megappo ray: {world} ranks on {nodes_used} node(s), master {master_ip}:{master_port}", flush=True)
     status = 0

@@ -153,6 +153,13 @@ class VLLMRollout:
         finally:
             _restore_process_state(saved)
         self.start_seconds = time.perf_counter() - t0
+        # vLLM's reload log can only be filtered (and read for the check) where it is written.
+        try:
+            from vllm.v1.engine.core_client import InprocClient
+        except ImportError:  # another vLLM layout: keep its log as it is
+            InprocClient = ()
+        self._reload_log_here = bool(InprocClient) and isinstance(
+            getattr(self.llm.llm_engine, "engine_core", None), InprocClient)
         self.weights_version = 0  # bumped by every sync; 0 = dummy weights, never generate from them
 
     # -- generation -------------------------------------------------------------------------
@@ -215,7 +222,8 @@ class VLLMRollout:
     # -- weights ----------------------------------------------------------------------------
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20) -> dict:
         """Load HF-named full tensors into the running engine in place, in whole-layer buckets;
-        then reset the prefix cache. Returns timing figures."""
+        then reset the prefix cache. Raises if a parameter of the engine got no tensor in any
+        bucket (see :class:`_BucketedReloadLog`). Returns timing figures."""
         if self._sleeping:
             self.wake_up(tags=["weights"])
         t0 = time.perf_counter()
@@ -224,10 +232,12 @@ class VLLMRollout:
             named_tensors = ((n, t.cpu()) for n, t in named_tensors)
         if self.tie_word_embeddings:
             named_tensors = _with_tied_head(named_tensors)
-        for bucket in layer_buckets(named_tensors, bucket_bytes):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-            n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            n_buckets += 1
+        with _BucketedReloadLog(self._reload_log_here) as reload_log:
+            for bucket in layer_buckets(named_tensors, bucket_bytes):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                n_buckets += 1
+        reload_log.check(n_buckets)
         self.llm.reset_prefix_cache()
         if self._sleeping:
             self.wake_up(tags=["kv_cache"])
@@ -261,6 +271,70 @@ class VLLMRollout:
         engine = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()
+
+
+# vLLM's in-place reload reports, after every call, each module that got no weights in that call
+# ("<Class>: Failed to load weights", reload/layerwise.py) and the parameters that were not loaded
+# ("Following weights were not loaded from checkpoint: {names}", reload/inplace.py). sync_weights
+# makes one call per bucket, so every call reports all layers of the other buckets; the rotary
+# embedding (a computed buffer, in no checkpoint) is reported by every call, bucketed or not.
+_LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+_INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
+
+
+class _BucketedReloadLog(logging.Filter):
+    """Around one sync: drop those per-call reports, keep each call's set of parameters not
+    loaded, and afterwards fail if a parameter was missing from every call. Such a parameter keeps
+    its previous (on the first sync: dummy) values, so the engine samples from another policy;
+    vLLM's own full load raises on the same condition (default_loader). The per-module warnings
+    name only a class, so the per-parameter sets are the exact check and the warnings add nothing."""
+
+    warned_unverified = False  # process-wide: say once that the check could not run
+
+    def __init__(self, active: bool):
+        super().__init__()
+        self.active = active
+        self.not_loaded: list[set] = []
+        self._loggers = [logging.getLogger(n) for n in (_LAYERWISE_LOG, _INPLACE_LOG)] if active else []
+        self._levels = [lg.level for lg in self._loggers]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == _LAYERWISE_LOG and record.msg == "%s: Failed to load weights":
+            return False
+        if (record.name == _INPLACE_LOG and str(record.msg).startswith("Following weights were not loaded")
+                and isinstance(record.args, tuple) and len(record.args) == 1 and isinstance(record.args[0], set)):
+            self.not_loaded.append(record.args[0])
+            return False
+        return True  # anything else vLLM says during a sync is shown
+
+    def __enter__(self) -> "_BucketedReloadLog":
+        for lg in self._loggers:
+            lg.addFilter(self)
+        inplace = self._loggers[1:]
+        if inplace and not inplace[0].isEnabledFor(logging.WARNING):
+            inplace[0].setLevel(logging.WARNING)  # VLLM_LOGGING_LEVEL=ERROR must not switch the check off
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lg, level in zip(self._loggers, self._levels):
+            lg.removeFilter(self)
+            lg.setLevel(level)
+
+    def check(self, n_calls: int) -> None:
+        if not self.active:
+            return
+        if len(self.not_loaded) < n_calls:
+            # A call without a report loaded everything, which one bucket of several cannot do:
+            # then vLLM no longer reports in this form and nothing can be concluded.
+            if n_calls > 1 and not _BucketedReloadLog.warned_unverified:
+                _BucketedReloadLog.warned_unverified = True
+                log.warning("rollout: vLLM reported missing weights for %d of %d reload calls; cannot verify "
+                            "that every weight was synced", len(self.not_loaded), n_calls)
+            return
+        missing = sorted(set.intersection(*self.not_loaded)) if self.not_loaded else []
+        if missing:
+            raise RuntimeError(f"sync_weights: {len(missing)} vLLM parameters received no weights in any bucket "
+                               f"and keep their previous values: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
 def _sampled_logprob(d, token: int) -> float:
