@@ -13,12 +13,12 @@ def setup(tp, pp, vpp=None, seed=7):
     initialize_parallel(tp, pp, vpp, seed=seed)
 
 
-def build(path, tp, pp, vpp=None, value_head=False, sp=True):
+def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True):
     from megappo.convert.hf_io import Layout, load_hf_weights
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     info = describe(load_hf_config(path), tp=tp, value_head=value_head)
-    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=True)
+    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=cpu)
     chunks = build_model(info, cfg, value_head=value_head)
     load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
     return info, cfg, chunks

@@ -44,3 +44,81 @@ def test_balanced_partition_and_dealing():
     assert deal_to_dp(lengths, M, dp, balance=False)[1][:4] == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="do not deal evenly to 3 DP ranks"):
         deal_to_dp(lengths, 16, 3)
+
+
+def _check_fitted(groups, fitted, lengths, multiple):
+    """fit_to_multiple's contract: a multiple (>= multiple) of groups, every index exactly once,
+    empty groups (padding micro-batches) only last and only when every real group is a single
+    sample, and groups only ever split (each fitted group lies inside one original group)."""
+    n = sum(len(g) for g in groups)
+    assert len(fitted) % multiple == 0 and len(fitted) >= multiple
+    assert sorted(i for g in fitted for i in g) == list(range(n))
+    real = [g for g in fitted if g]
+    assert fitted[:len(real)] == real, f"padding groups must come last: {fitted}"
+    if len(real) < len(fitted):
+        assert all(len(g) == 1 for g in real), f"padding while a group could still be split: {fitted}"
+    assert len(real) == min(n, len(fitted)), "split exactly as far as needed, pad only the rest"
+    owner = {i: k for k, g in enumerate(groups) for i in g}
+    assert all(len({owner[i] for i in g}) == 1 for g in real)
+    assert all(g == sorted(g) for g in fitted)
+    if len(groups) % multiple == 0:
+        assert fitted == groups  # already fits: unchanged
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_fit_to_multiple_counts(count, multiple):
+    import random
+
+    from megappo.workers.batching import fit_to_multiple, token_budget_groups
+
+    rnd = random.Random(count * 10 + multiple)
+    tried = 0
+    for n in range(count, 13):
+        lengths = [rnd.randint(3, 40) for _ in range(n)]
+        # a token budget that gives exactly `count` raw groups, where one exists for these lengths
+        budgets = [b for b in range(max(lengths), n * max(lengths) + 1)
+                   if len(token_budget_groups(lengths, b)) == count]
+        if not budgets:
+            continue
+        groups = token_budget_groups(lengths, budgets[0])
+        assert len(groups) == count
+        fitted = fit_to_multiple(groups, lengths, multiple)
+        _check_fitted(groups, fitted, lengths, multiple)
+        assert len(fitted) == max(multiple, -(-count // multiple) * multiple)
+        assert groups == token_budget_groups(lengths, budgets[0])  # input left alone
+        tried += 1
+    assert tried >= 5
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_fit_to_multiple_singletons_pad(count, multiple):
+    from megappo.workers.batching import fit_to_multiple
+
+    groups = [[i] for i in range(count)]
+    fitted = fit_to_multiple(groups, [5] * count, multiple)
+    target = max(multiple, -(-count // multiple) * multiple)
+    assert fitted == groups + [[] for _ in range(target - count)]
+    _check_fitted(groups, fitted, [5] * count, multiple)
+
+
+def test_fit_to_multiple_splits_the_heaviest_group_first():
+    from megappo.workers.batching import fit_to_multiple
+
+    # weights (count x longest): [0] 5, [1, 2] 2 x 50 = 100, [3, 4, 5] 3 x 10 = 30. The largest
+    # group by count is [3, 4, 5], the heaviest by padded tokens [1, 2]: that one is split.
+    lengths = [5, 50, 50, 10, 10, 10]
+    groups = [[0], [1, 2], [3, 4, 5]]
+    assert fit_to_multiple(groups, lengths, 4) == [[0], [1], [2], [3, 4, 5]]
+    # to 8: [3, 4, 5] (30) next, then its heavier half [3, 5] (20), leaving one empty group
+    assert fit_to_multiple(groups, lengths, 8) == [[0], [1], [2], [3], [5], [4], [], []]
+    # halves alternate by length, so both keep long and short samples: [40, 30, 20, 10] -> [40, 20] + [30, 10]
+    assert fit_to_multiple([[0, 1, 2, 3]], [10, 40, 20, 30], 2) == [[1, 2], [0, 3]]
+    # a tie in weight splits the first one
+    assert fit_to_multiple([[0, 1], [2, 3], [4]], [7, 7, 7, 7, 3], 4) == [[0], [1], [2, 3], [4]]
+    # a single group of 3 to 4: halved twice over, then one padding group
+    assert fit_to_multiple([[0, 1, 2]], [30, 20, 10], 4) == [[0], [2], [1], []]
+    # the heavier half of a split group is split again before a lighter group: [1..5] -> [1, 3, 5]
+    # (3 tokens) + [2, 4] (2), then [1, 3, 5] -> [1, 5] + [3]; no padding while a group can split
+    assert fit_to_multiple([[0], [1, 2, 3, 4, 5]], [1] * 6, 4) == [[0], [1, 5], [3], [2, 4]]

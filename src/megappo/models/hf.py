@@ -143,8 +143,12 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
         # layout. The random init is overwritten by the HF weights right after.
         perform_initialization=True,
         # Pipeline stages exchange shapes per micro-batch (packed/dynamic batches vary in length);
-        # megatron checks the MoE dispatcher against it even for dense models.
-        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # megatron checks the MoE dispatcher against it even for dense models. Not under VPP:
+        # the interleaved schedule's shape exchange sends both ways at once and deadlocks on
+        # gloo, so the worker gives all micro-batches of a pass one shape instead. VPP also
+        # needs megatron's unbatched p2p: with PP=2 the previous and next stage are one rank,
+        # and batched sends in both directions to it are matched in the wrong order.
+        variable_seq_lengths=not vpp, batch_p2p_comm=not vpp, moe_token_dispatcher_type="alltoall",
         # Fused kernels come from apex/TransformerEngine; the unfused paths are exact and portable.
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,

@@ -98,12 +98,9 @@ class MegatronWorker:
         pad = self.tp if self.config.sequence_parallel else 1
         seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
         data = list(zip(micro_batches, seqs))
-        dev = self.device
 
         def forward_step(data_iterator, model):
-            mb, ids = next(data_iterator)
-            # One micro-batch on the device at a time (its loss closure keeps it until backward).
-            mb, ids = mb.to(dev, non_blocking=True), ids.to(dev, non_blocking=True)
+            mb, ids = self._to_device(*next(data_iterator))
             pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
             out = model(ids, pos, attention_mask=None)
             return out, partial(loss_fn, mb, ids)
@@ -115,31 +112,45 @@ class MegatronWorker:
             seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only)
 
-    def _micro(self, batch: RolloutBatch, micro_batch_size, max_token_len) -> tuple[list[RolloutBatch], list[int]]:
-        """Micro-batches and the order of their concatenated rows in ``batch``.
+    def _to_device(self, mb: RolloutBatch, ids: torch.Tensor) -> tuple[RolloutBatch, torch.Tensor]:
+        """The worker boundary: one micro-batch on the device at a time (its loss closure keeps
+        it until backward)."""
+        return mb.to(self.device, non_blocking=True), ids.to(self.device, non_blocking=True)
 
-        megatron's interleaved (VPP) schedule needs a multiple of PP micro-batches (at least PP);
-        token budgets give data-dependent counts, so the heaviest micro-batches are split and,
-        when there are too few samples, padding micro-batches follow the real ones: a copy of
-        the shortest sample with an all-zero response mask (no loss, no gradient, output dropped)."""
+    def _micro(self, batch: RolloutBatch, micro_batch_size, max_token_len):
+        """Micro-batches, the order of their real rows in ``batch`` and each one's real row count.
+
+        Each micro-batch is cut to its own longest sequence: a token budget bounds count x
+        longest, and the batch's full width would exceed it. The interleaved (VPP) schedule
+        needs a multiple of PP micro-batches (at least PP) and, on its p2p path, one shape for
+        all of them (models.transformer_config turns variable shapes off): the heaviest groups
+        are split (fit_to_multiple), then every micro-batch is filled up to the same row count
+        with copies of the shortest sample under an all-zero response mask (no loss, no
+        gradient; their outputs are dropped) and kept at the batch's width."""
         lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
         groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
-        if len(self.model) > 1:
+        vpp = len(self.model) > 1
+        if vpp:
             groups = fit_to_multiple(groups, lengths, self.pp)
-        real = [g for g in groups if g]
-        micros = [batch.select(g) for g in real]
-        if len(real) < len(groups):
-            pad = batch.select([min(range(len(batch)), key=lambda i: lengths[i])])
-            pad.response_mask = torch.zeros_like(pad.response_mask)
-            micros += [pad] * (len(groups) - len(real))
-        return micros, [i for g in real for i in g]
+            rows = max(len(g) for g in groups)
+            filler = min(range(len(batch)), key=lambda i: lengths[i])
+        micros = []
+        for g in groups:
+            if vpp:
+                mb = batch.select(g + [filler] * (rows - len(g)))
+                mb.response_mask[len(g):] = 0
+            else:
+                mb = batch.select(g)
+                mb.input_ids = mb.input_ids[:, :min(batch.input_ids.shape[1], max(2, max(lengths[i] for i in g)))]
+            micros.append(mb)
+        return micros, [i for g in groups for i in g], [len(g) for g in groups]
 
-    def _gather_rows(self, outs, key, order, shape) -> torch.Tensor:
+    def _gather_rows(self, outs, key, order, keep, shape) -> torch.Tensor:
         """Concatenate per-micro-batch outputs (last stage) back into batch order, on every
-        stage, on the host. Padding micro-batches come last and are dropped."""
+        stage, on the host. Only the first ``keep[i]`` rows of micro-batch i are real."""
         t = None
         if self.is_last:
-            cat = torch.cat([o[key] for o in outs])[:len(order)]
+            cat = torch.cat([o[key][:k] for o, k in zip(outs, keep)])
             t = torch.empty_like(cat)
             t[torch.tensor(order)] = cat
         return self._from_last_stage(t, shape).cpu()
@@ -151,9 +162,9 @@ class MegatronWorker:
             out = per_sample(output, ids, mb)
             return out.sum() * 0.0, {"out": out}
 
-        micros, order = self._micro(batch, micro_batch_size, max_token_len)
+        micros, order, keep = self._micro(batch, micro_batch_size, max_token_len)
         outs = self._run(micros, loss_fn, forward_only=True)
-        return self._gather_rows(outs, "out", order, tuple(batch.responses.shape))
+        return self._gather_rows(outs, "out", order, keep, tuple(batch.responses.shape))
 
     def _train(self, batch: RolloutBatch, *, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs,
                make_loss, keys) -> dict[str, list]:
@@ -169,7 +180,7 @@ class MegatronWorker:
                 mask = mini.response_mask.to(self.device)
                 norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
                             global_seqs=algo.global_seq_count(mask, self.dp_group))
-                micros, _ = self._micro(mini, micro_batch_size, max_token_len)
+                micros = self._micro(mini, micro_batch_size, max_token_len)[0]
                 scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
                 loss_fn = make_loss(norm)
                 self._zero_grad()
