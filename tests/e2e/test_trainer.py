@@ -220,3 +220,50 @@ def test_inf_weights_stop_the_run_at_the_update_stage_before_any_checkpoint(tmp_
     assert "FloatingPointError: step 1, stage update_actor: non-finite actor_weights; stopping before anything is saved" \
         in str(e.value), str(e.value)[-2000:]
     assert not any(d.name.startswith(("global_step_", "latest")) for d in run.iterdir())
+
+
+def _checked_worker(rank, world, model, train, test, run_dir):
+    os.environ["MEGAPPO_CHECK_DEVICES"] = "1"
+    from megappo.config import load_config, validate
+    from megappo.trainer import PPOTrainer, init_distributed
+
+    m = "actor_rollout_ref.actor.megatron."
+    budget = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+              "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64"]
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]",
+                       f"data.val_files=[{test}]", "trainer.n_gpus_per_node=4", f"{m}tensor_model_parallel_size=2",
+                       f"{m}pipeline_model_parallel_size=2", f"{m}virtual_pipeline_model_parallel_size=2",
+                       f"{m}sequence_parallel=true", "actor_rollout_ref.actor.use_kl_loss=true",
+                       "algorithm.use_kl_in_reward=true", "data.max_prompt_length=16", "data.max_response_length=6",
+                       "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2",
+                       "trainer.test_freq=2"] + budget, ["tiny_cpu"])
+    validate(cfg, check_paths=True, world_size=world)
+    device = init_distributed(cfg)
+    assert device.type == "cuda" and device.index == rank  # the simulated GPU of this rank
+    trainer = PPOTrainer(cfg)
+    assert trainer.actor.device == device and trainer.critic.device == device and trainer.ref.device == device
+    trainer.fit(2)
+
+
+@pytest.mark.e2e
+def test_gpu_discipline_on_cpu_32b_layout(tmp_path):
+    """The whole step (rollout, old/ref log-probs, values, KL in reward, GAE, critic and actor
+    updates, weight sync, validation, checkpoint) under the CPU device check, on the 32B recipe's
+    layout shrunk to 4 processes: TP2 x PP2 x VPP2 with sequence parallelism and token-budget
+    micro-batches. A batch left on the host, a CPU tensor on a (GPU: NCCL) group or a weight
+    left on the CPU fails this test as it would fail the first GPU step."""
+    from harness import spawn
+
+    from megappo.data.tiny import make_tiny_setup
+
+    p = make_tiny_setup(str(tmp_path / "tiny"))
+    spawn(_checked_worker, 4, p["model"], p["train"], p["test"], str(tmp_path / "run"))
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in MAIN_JOB + ["actor/kl_loss", "actor/reward_kl_penalty"]:
+        assert all(key in r and math.isfinite(r[key]) for r in rows), key
+    # the engine got the simulated GPU's weights: its log-probs are the actor's
+    assert max(r["training/rollout_probs_diff_max"] for r in rows) < 1e-4
+    assert (tmp_path / "run" / "latest").read_text() == "2"
