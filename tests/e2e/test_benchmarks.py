@@ -31,3 +31,20 @@ def test_rollout_benchmark_quick_ends_with_json():
     figures = quick_figures("rollout.py", 900)
     for key in ("wrapper_vs_raw", "gen_vs_hf", "sync_s_tiny", "sync_s_100m", "sync_gbps_100m", "sync_vs_engine_reload"):
         assert figures[key] > 0
+
+
+@pytest.mark.e2e
+def test_gpu_step_benchmark_quick_on_cpu_under_the_device_check():
+    """benchmarks/gpu_step.py --quick on CPU with a simulated cuda:0 (MEGAPPO_CHECK_DEVICES=1): the
+    benchmark's own code keeps the GPU's device discipline before it runs on a GPU box."""
+    import os
+
+    env = {**os.environ, "MEGAPPO_CHECK_DEVICES": "1", "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_step.py"), "--quick"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    figures = json.loads(p.stdout.strip().splitlines()[-1])
+    assert figures["device_name"] == "cpu (device check: simulated cuda:0)"
+    for key in ("step_time_s", "tokens_per_s", "update_policy_s", "update_critic_s", "compute_log_prob_s"):
+        assert figures[key] > 0
+    assert figures["logprob_parity_max_abs_diff"] < 1e-4  # float32 on CPU
