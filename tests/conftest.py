@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not "gpu" in keywords: tests/gpu/ is a keyword too
             item.add_marker(skip)
 
 
