@@ -13,7 +13,7 @@ import torch
 
 from megappo.batch import RolloutBatch
 
-__all__ = ["data_metrics", "Timer", "MetricsLogger", "peak_flops", "mfu"]
+__all__ = ["data_metrics", "critic_diagnostics", "Timer", "MetricsLogger", "peak_flops", "mfu"]
 
 # Dense bf16 tensor-core peak per GPU in TFLOPS, keyed by words of torch.cuda.get_device_name().
 # NVIDIA's datasheets lead with the 2:4-sparse figure; dense is half of it. One form factor's name
@@ -85,6 +85,71 @@ def _explained_var(returns: torch.Tensor, values: torch.Tensor, group=None) -> f
     return 1.0 - var_d / (var_r + 1e-5)
 
 
+def _position_buckets(max_response_length: int) -> list[tuple[int, int]]:
+    """Response positions 0, 1, 2-3, 4-7, ... up to ``max_response_length`` (same on every rank)."""
+    out, lo = [], 0
+    while lo < max_response_length:
+        hi = min(max(lo * 2, 1), max_response_length) - 1 if lo else 0
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def critic_diagnostics(batch: RolloutBatch, max_response_length: int, group=None) -> dict:
+    """What tells a user why a critic does or does not help, over response tokens of every rank
+    of ``group`` (collective):
+
+    - ``critic/values/std`` next to ``critic/returns/std``: the value head's output scale against
+      the returns'. A head whose values dwarf the returns (a random head at the start) drowns the
+      advantage in its own noise.
+    - ``critic/advantages_returns_corr``: Pearson correlation of advantages and returns over
+      tokens; near 0 when the advantage is mostly the critic's noise.
+    - ``critic/advantages/pos_<a>-<b>``: the mean advantage at response positions a..b (buckets
+      0, 1, 2-3, 4-7, ...): where in the response the signal sits.
+    """
+    m = batch.response_mask.double()
+    keep = m.bool()
+    A = batch.advantages
+    R = batch.returns
+    V = batch.values
+    buckets = _position_buckets(max_response_length)
+    pos = torch.arange(m.shape[1])
+    acc = []
+    for x in (V, R):
+        x = x.double()[keep] if x is not None else torch.zeros(0, dtype=torch.float64)
+        acc += [float(x.numel()), x.sum().item(), (x * x).sum().item()]
+    if A is not None and R is not None:
+        a, r = A.double()[keep], R.double()[keep]
+        acc += [float(a.numel()), a.sum().item(), r.sum().item(), (a * a).sum().item(), (r * r).sum().item(),
+                (a * r).sum().item()]
+    else:
+        acc += [0.0] * 6
+    if A is not None:
+        for lo, hi in buckets:
+            sel = keep & ((pos >= lo) & (pos <= hi))[None, :]
+            acc += [A.double()[sel].sum().item(), float(sel.sum())]
+    t = _reduce(torch.tensor(acc, dtype=torch.float64), torch.distributed.ReduceOp.SUM, group).tolist()
+
+    def std(n, s1, s2):
+        return max(s2 / n - (s1 / n) ** 2, 0.0) ** 0.5 if n else 0.0
+
+    out = {}
+    if V is not None:
+        out["critic/values/std"] = std(*t[0:3])
+    if R is not None:
+        out["critic/returns/std"] = std(*t[3:6])
+    n, sa, sr, saa, srr, sar = t[6:12]
+    if A is not None and R is not None:
+        cov = sar / n - (sa / n) * (sr / n) if n else 0.0
+        da, dr = std(n, sa, saa), std(n, sr, srr)
+        out["critic/advantages_returns_corr"] = cov / (da * dr) if da > 0 and dr > 0 else 0.0
+    if A is not None:
+        for i, (lo, hi) in enumerate(buckets):
+            s_, c = t[12 + 2 * i], t[13 + 2 * i]
+            out[f"critic/advantages/pos_{lo}" + (f"-{hi}" if hi > lo else "")] = s_ / c if c else 0.0
+    return out
+
+
 def data_metrics(batch: RolloutBatch, max_response_length: int, group=None) -> dict:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values (+
     vf_explained_var), response_length/* (with clip_ratio: share of responses that hit the
@@ -104,6 +169,8 @@ def data_metrics(batch: RolloutBatch, max_response_length: int, group=None) -> d
         out.update(_stats("critic/values", batch.values, m, group=group))
         if batch.returns is not None:
             out["critic/vf_explained_var"] = _explained_var(batch.returns[m.bool()], batch.values[m.bool()], group)
+    if batch.advantages is not None or batch.values is not None:
+        out.update(critic_diagnostics(batch, max_response_length, group))
     lengths = m.sum(-1)
     out.update(_stats("response_length", lengths, group=group))
     out["response_length/clip_ratio"] = _stats("clip", (lengths >= max_response_length).double(), group=group)["clip/mean"]

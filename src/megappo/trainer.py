@@ -319,7 +319,7 @@ class PPOTrainer:
         metrics.update(data_metrics(full, cfg.data.max_response_length))  # every rank holds the whole batch
         dealt = data_metrics(batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
         metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
-                        or k == "critic/vf_explained_var"})
+                        or k in ("critic/vf_explained_var", "critic/advantages_returns_corr")})
         metrics.update(t.pop())
         tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world

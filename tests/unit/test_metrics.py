@@ -102,3 +102,37 @@ def test_mfu_figures():
     assert peak_flops("Some CPU") is None and peak_flops("NVIDIA H10") is None
     # 8B params, 1M tokens in 100 s on 8 H100s: 6*8e9*1e6 / (100*8*989e12) = 6.07%
     assert mfu(8_000_000_000, 1e6, 100.0, 8, 989e12) == pytest.approx(0.0606673, rel=1e-5)
+
+
+def test_critic_diagnostics_against_numpy():
+    """Value/return scale, advantage-return correlation and per-position mean advantages equal a
+    numpy computation over the response tokens (masked tokens excluded)."""
+    import numpy as np
+
+    from megappo.batch import RolloutBatch
+    from megappo.metrics import critic_diagnostics, data_metrics
+
+    g = torch.Generator().manual_seed(4)
+    B, T = 6, 7
+    lengths = torch.tensor([7, 1, 3, 5, 2, 6])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    b = RolloutBatch.from_prompts_and_responses([[3, 4]] * B, torch.randint(3, 50, (B, T), generator=g), mask, 0)
+    b.values = torch.randn(B, T, generator=g) * 3
+    b.returns = torch.randn(B, T, generator=g) * 0.1
+    b.advantages = b.returns - b.values + 0.05 * torch.randn(B, T, generator=g)
+    got = critic_diagnostics(b, max_response_length=T)
+    keep = mask.numpy().astype(bool)
+    a, r, v = (x.numpy()[keep].astype(np.float64) for x in (b.advantages, b.returns, b.values))
+    assert got["critic/values/std"] == pytest.approx(v.std(), rel=1e-9)
+    assert got["critic/returns/std"] == pytest.approx(r.std(), rel=1e-9)
+    assert got["critic/advantages_returns_corr"] == pytest.approx(np.corrcoef(a, r)[0, 1], rel=1e-9)
+    adv = b.advantages.numpy().astype(np.float64)
+    buckets = {"pos_0": [0], "pos_1": [1], "pos_2-3": [2, 3], "pos_4-6": [4, 5, 6]}
+    assert sorted(k.split("/")[-1] for k in got if "/pos_" in k) == sorted(buckets)
+    for name, ps in buckets.items():
+        want = np.mean([adv[i, p] for i in range(B) for p in ps if p < lengths[i]])
+        assert got[f"critic/advantages/{name}"] == pytest.approx(want, rel=1e-9), name
+    # a random-scale critic (values std 3 vs returns 0.1) drowns the advantage: |corr| is small
+    assert got["critic/values/std"] > 10 * got["critic/returns/std"]
+    assert abs(got["critic/advantages_returns_corr"]) < 0.3
+    assert set(got) <= set(data_metrics(b, max_response_length=T))  # part of the batch metrics
