@@ -649,7 +649,8 @@ def test_all_broken_rules_reported_together():
     assert str(err).startswith(f"{len(ks)} configuration errors:")
 
 
-def test_paths_checked_only_on_a_real_start(tmp_path):
+def test_paths_checked_only_on_a_real_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the preset's relative paths must not exist (the main job creates them)
     ok()  # the dry-run rules ignore paths
     err = fails([], check_paths=True)
     for k in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path"):

@@ -7,9 +7,9 @@ import yaml
 from megappo.config import load_config, to_dict
 
 
-def run(*args, env=None):
+def run(*args, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "megappo.train", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=120, env=env, cwd=cwd)
 
 
 def test_dry_run_prints_the_resolved_default_config():
@@ -54,11 +54,13 @@ def test_several_problems_reported_together():
 
 
 def test_real_start_checks_paths_and_world_size(tmp_path):
-    p = run()
+    # The preset's paths are relative: run where they do not exist (the README's main command
+    # creates them in the repository root).
+    p = run(cwd=tmp_path)
     assert p.returncode == 2
     assert "data.train_files: file not found" in p.stderr
     assert "actor_rollout_ref.model.path: model directory not found" in p.stderr
     import os
     env = dict(os.environ, WORLD_SIZE="5", RANK="0")
-    p = run(env=env)
+    p = run(env=env, cwd=tmp_path)
     assert p.returncode == 2 and "WORLD_SIZE=5" in p.stderr
