@@ -71,6 +71,15 @@ def main(argv=None) -> int:
         print(f"# layout: {describe_layout(cfg)}")
     if args.dry_run:
         return 0
+    if "RANK" not in os.environ:  # no launcher
+        world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        if world != 1:
+            print(f"megappo: this configuration runs {world} processes (trainer.nnodes x trainer.n_gpus_per_node = "
+                  f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}); start it with a launcher: "
+                  f"torchrun --nproc_per_node {cfg.trainer.n_gpus_per_node} -m megappo.train ..., or launch/*.sh",
+                  file=sys.stderr)
+            return 2
+        _single_process_env()
     from megappo.trainer import PPOTrainer, init_distributed
 
     try:
@@ -85,6 +94,17 @@ def main(argv=None) -> int:
             _report_failure(e)
         raise
     return 0
+
+
+def _single_process_env() -> None:
+    """What torchrun would give the one process of a world of one: a free local port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def _report_failure(e: BaseException) -> None:

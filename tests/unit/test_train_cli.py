@@ -64,3 +64,25 @@ def test_real_start_checks_paths_and_world_size(tmp_path):
     env = dict(os.environ, WORLD_SIZE="5", RANK="0")
     p = run(env=env, cwd=tmp_path)
     assert p.returncode == 2 and "WORLD_SIZE=5" in p.stderr
+
+
+def test_without_a_launcher_one_process_runs_and_more_are_told_how_to_start(tmp_path):
+    """`python -m megappo.train` with no launcher: a one-process config simply runs (world size 1
+    on a free local port); a larger one says in one line how to start it."""
+    import os
+
+    from megappo.data.tiny import make_tiny_setup
+
+    p = make_tiny_setup(str(tmp_path / "tiny"), n_train=16, n_test=4)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    paths = [f"actor_rollout_ref.model.path={p['model']}", f"data.train_files=[{p['train']}]",
+             f"data.val_files=[{p['test']}]", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[file]"]
+    two = run(*paths, env=env, cwd=tmp_path)
+    assert two.returncode == 2
+    assert "runs 2 processes" in two.stderr and "torchrun --nproc_per_node 2 -m megappo.train" in two.stderr
+    assert "Traceback" not in two.stderr
+    one = run(*paths, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+              "trainer.save_freq=-1", "trainer.test_freq=-1", env=env, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and '"step": 1' in rows[0]
