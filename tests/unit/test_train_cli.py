@@ -7,9 +7,9 @@ import yaml
 from megappo.config import load_config, to_dict
 
 
-def run(*args, env=None, cwd=None):
+def run(*args, env=None, cwd=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "megappo.train", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=cwd)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def test_dry_run_prints_the_resolved_default_config():
@@ -82,7 +82,7 @@ def test_without_a_launcher_one_process_runs_and_more_are_told_how_to_start(tmp_
     assert "runs 2 processes" in two.stderr and "torchrun --nproc_per_node 2 -m megappo.train" in two.stderr
     assert "Traceback" not in two.stderr
     one = run(*paths, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.val_before_train=false",
-              "trainer.save_freq=-1", "trainer.test_freq=-1", env=env, cwd=tmp_path)
+              "trainer.save_freq=-1", "trainer.test_freq=-1", env=env, cwd=tmp_path, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and '"step": 1' in rows[0]
