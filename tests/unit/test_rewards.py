@@ -95,3 +95,24 @@ def test_custom_reward_function(tmp_path):
     bad.write_text("def compute_score(:\n")
     with pytest.raises(RewardFunctionError, match=f"importing {bad} failed: SyntaxError"):
         load_custom_reward(str(bad))
+
+
+def test_words_task():
+    rows = synthetic.make_words_rows(40, seed=2)
+    assert {r["reward_model"]["ground_truth"] for r in rows} == set(synthetic.CATEGORIES)
+    for r in rows:
+        words = r["prompt"][0]["content"].split()
+        assert words[:2] == ["list:", r["reward_model"]["ground_truth"]]
+        assert not set(words[2:]) & set(synthetic.CATEGORIES[words[1]])  # distractors are other categories
+    fruit = synthetic.CATEGORIES["fruit"]
+    # each right word in the first 8 slots adds 1/8; later words and wrong words add nothing
+    assert synthetic.words_score(" ".join(fruit[:3]), "fruit") == 3 / 8
+    assert synthetic.words_score(" ".join(fruit + fruit), "fruit") == 1.0
+    assert synthetic.words_score("cat " + " ".join(fruit[:2]), "fruit") == 2 / 8
+    assert synthetic.words_score("", "fruit") == 0.0
+    assert synthetic.words_score("apple pear", "fruit", max_words=4) == 0.5
+    with pytest.raises(ValueError, match="unknown category 'veg'"):
+        synthetic.words_score("apple", "veg")
+    from megappo.rewards import score_batch
+
+    assert score_batch(["synthetic/words"], ["apple cat"], ["fruit"], [{"max_words": 2}]) == [0.5]

@@ -25,28 +25,36 @@ def build_word_tokenizer(words):
     return fast
 
 
-def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed: int = 0, arch: str = "qwen3") -> dict:
+def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed: int = 0, arch: str = "qwen3",
+                    task: str = "echo") -> dict:
     """Everything the CPU main job needs, built locally: a word tokenizer, a tiny random-init
-    model folder (HF config, safetensors, tokenizer) and the synthetic echo task.
+    model folder (HF config, safetensors, tokenizer) and a synthetic task (``echo``: reward on one
+    token; ``words``: reward spread over the response, see megappo.rewards.synthetic).
     Returns the paths {"model", "train", "test"}. Idempotent: existing files are kept."""
     import os
 
     import torch
 
     from megappo.data.preprocess import ECHO_WORDS, write_parquet
-    from megappo.rewards.synthetic import make_echo_rows
+    from megappo.rewards.synthetic import WORDS_VOCAB, make_echo_rows, make_words_rows
 
     model_dir = os.path.join(out_dir, "model")
     data_dir = os.path.join(out_dir, "data")
     paths = {"model": model_dir, "train": os.path.join(data_dir, "train.parquet"),
              "test": os.path.join(data_dir, "test.parquet")}
+    if task not in ("echo", "words"):
+        raise ValueError(f"make_tiny_setup: unknown task {task!r}; expected echo or words")
     if not os.path.isfile(paths["train"]):
-        write_parquet(make_echo_rows(n_train, ECHO_WORDS, seed=seed), paths["train"])
-        write_parquet(make_echo_rows(n_test, ECHO_WORDS, seed=seed + 1), paths["test"])
+        if task == "echo":
+            write_parquet(make_echo_rows(n_train, ECHO_WORDS, seed=seed), paths["train"])
+            write_parquet(make_echo_rows(n_test, ECHO_WORDS, seed=seed + 1), paths["test"])
+        else:
+            write_parquet(make_words_rows(n_train, seed=seed), paths["train"])
+            write_parquet(make_words_rows(n_test, seed=seed + 1), paths["test"])
     if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         from transformers import AutoModelForCausalLM, Qwen3Config
 
-        tok = build_word_tokenizer(["echo", ":"] + list(ECHO_WORDS))
+        tok = build_word_tokenizer(["echo", ":"] + list(ECHO_WORDS) if task == "echo" else WORDS_VOCAB)
         cfg = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,

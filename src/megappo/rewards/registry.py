@@ -44,6 +44,11 @@ def _echo(solution, ground_truth, extra_info=None):
     return synthetic.echo_score(solution, ground_truth)
 
 
+@register_reward(synthetic.WORDS_SOURCE)
+def _words(solution, ground_truth, extra_info=None):
+    return synthetic.words_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
+
+
 def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 

@@ -1,7 +1,11 @@
 """Synthetic tasks a tiny random-init model can learn on CPU in minutes.
 
 ``echo``: the prompt shows a few words after "echo:"; the response must start with the first of
-them. With ``k`` candidate words a random policy scores about 1/k.
+them. With ``k`` candidate words a random policy scores about 1/k. The reward sits on one token.
+
+``words``: the prompt names a category ("list: fruit" and a few distractor words); the score is
+the share of the response's first ``max_words`` word slots filled with words of that category
+(each right word adds 1/max_words), so the reward is spread over every response token.
 """
 from __future__ import annotations
 
@@ -29,3 +33,39 @@ def make_echo_rows(n: int, words: list[str], seed: int, n_shown: int = 3) -> lis
 def echo_score(solution: str, ground_truth: str) -> float:
     words = solution.split()
     return 1.0 if words and words[0] == ground_truth else 0.0
+
+
+WORDS_SOURCE = "synthetic/words"
+CATEGORIES = {
+    "fruit": ["apple", "pear", "plum", "fig", "lime", "kiwi"],
+    "animal": ["cat", "dog", "cow", "owl", "fox", "bee"],
+    "tool": ["saw", "axe", "pin", "hoe", "awl", "vise"],
+    "place": ["town", "farm", "port", "park", "mall", "mine"],
+}
+WORDS_VOCAB = ["list", ":"] + list(CATEGORIES) + [w for ws in CATEGORIES.values() for w in ws]
+
+
+def make_words_rows(n: int, seed: int, max_words: int = 8, n_distractors: int = 2) -> list[dict]:
+    """Rows in verl's schema: "list: <category> <distractor words of other categories>"."""
+    rnd = random.Random(seed)
+    names = sorted(CATEGORIES)
+    rows = []
+    for i in range(n):
+        cat = rnd.choice(names)
+        others = [w for c in names if c != cat for w in CATEGORIES[c]]
+        shown = " ".join(rnd.choice(others) for _ in range(n_distractors))
+        rows.append({
+            "data_source": WORDS_SOURCE,
+            "prompt": [{"role": "user", "content": f"list: {cat} {shown}"}],
+            "ability": "listing",
+            "reward_model": {"style": "rule", "ground_truth": cat},
+            "extra_info": {"index": i, "max_words": max_words},
+        })
+    return rows
+
+
+def words_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
+    if ground_truth not in CATEGORIES:
+        raise ValueError(f"words task: unknown category {ground_truth!r}; expected one of {sorted(CATEGORIES)}")
+    right = set(CATEGORIES[ground_truth])
+    return sum(w in right for w in solution.split()[:max_words]) / max_words
