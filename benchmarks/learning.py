@@ -48,7 +48,7 @@ TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "3e-4", "--kl-coef", "0.01"]}
 
 
-def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int) -> list[dict]:
+def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=()) -> list[dict]:
     run_dir = out / f"{task}_{method}"
     spec = TASKS[task]
     args = [sys.executable, "-m", "megappo.train", "--config", "tiny_cpu", "trainer.n_gpus_per_node=1",
@@ -59,7 +59,7 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
             "data.max_prompt_length=16", f"data.max_response_length={spec['response']}", f"data.seed={seed}",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method]]
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method], *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     t0 = time.time()
     p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(out))
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 steps per run: checks the harness, measures nothing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override added to every megappo run (to try a setting)")
     args = ap.parse_args(argv)
     import tempfile
 
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
                 curve = run_trl(task, paths, out, steps, args.seed)
             else:
                 steps = 3 if args.quick else spec["budget"] // SAMPLES_PER_STEP[method]
-                curve = run_megappo(method, task, paths, out, steps, args.seed)
+                curve = run_megappo(method, task, paths, out, steps, args.seed, args.extra)
             curves[f"{task}/{method}"] = curve
             results[f"{task}/{method}"] = summarise(curve, spec["target"], spec["budget"])
 

@@ -48,3 +48,14 @@ def test_gpu_step_benchmark_quick_on_cpu_under_the_device_check():
     for key in ("step_time_s", "tokens_per_s", "update_policy_s", "update_critic_s", "compute_log_prob_s"):
         assert figures[key] > 0
     assert figures["logprob_parity_max_abs_diff"] < 1e-4  # float32 on CPU
+
+
+@pytest.mark.e2e
+def test_learning_benchmark_quick_ends_with_json(tmp_path):
+    """benchmarks/learning.py's harness (one megappo run, 3 steps): curves parsed, summary keys."""
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--tasks", "words",
+                        "--methods", "grpo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    figures = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(figures) == {"words_grpo_samples_to_target", "words_grpo_seconds_to_target", "words_grpo_score_at_budget"}
+    assert 0.0 <= figures["words_grpo_score_at_budget"] <= 1.0
