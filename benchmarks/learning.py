@@ -45,7 +45,7 @@ MEGAPPO = {
 }
 SAMPLES_PER_STEP = {"gae": 256, "grpo": 256}
 TRL_BATCH = 32
-TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "3e-4", "--kl-coef", "0.01"]}
+TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
 def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=()) -> list[dict]:
