@@ -8,7 +8,8 @@ Tasks (megappo.rewards.synthetic, a tiny random-init Qwen3-style model per task)
          category the prompt names (each right word adds 1/8)
   echo   reward on one token: the first response word must be the first word of the prompt
 Methods:
-  gae    megappo PPO with GAE and a critic
+  gae    megappo PPO with GAE and a critic (n=8, one epoch)
+  gae1   the same with TRL's PPO settings (n=1, 4 epochs, lr 3e-4, KL 0.01 in the reward)
   grpo   megappo GRPO (no critic)
   trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv
          (bash benchmarks/setup_trl.sh); skipped, saying so, when that venv is missing
@@ -40,10 +41,15 @@ MEGAPPO = {
     "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
             "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
             "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
+    # TRL's PPO settings (one sample per prompt, 4 epochs of 2 mini-batches, KL in the reward)
+    "gae1": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
+             "actor_rollout_ref.rollout.n=1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+             "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
+             "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3"],
 }
-SAMPLES_PER_STEP = {"gae": 256, "grpo": 256}
+SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
@@ -114,7 +120,7 @@ def summarise(curve: list[dict], target: float, budget: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="words,echo")
-    ap.add_argument("--methods", default="gae,grpo,trl")
+    ap.add_argument("--methods", default="gae,gae1,grpo,trl")
     ap.add_argument("--quick", action="store_true", help="3 steps per run: checks the harness, measures nothing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="work folder (default: a temporary one)")
