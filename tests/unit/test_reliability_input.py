@@ -246,9 +246,11 @@ def real_paths(tmp_path):
             f"actor_rollout_ref.model.path={tmp_path}/model"]
 
 
-def test_entry_point_starts_work_on_good_input(fake_trainer, real_paths, capsys):
+def test_entry_point_starts_work_on_good_input(fake_trainer, real_paths, capsys, monkeypatch):
     from megappo import train
 
+    monkeypatch.setenv("RANK", "0")  # as a launcher starts the preset's two ranks
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert train.main(real_paths) == 0
     assert fake_trainer == ["init_distributed", "PPOTrainer", "fit"]   # the stand-in is what main uses
 
