@@ -73,10 +73,13 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
         raise RuntimeError(f"{task}/{method} failed:\n{p.stderr[-3000:]}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("step", 0) > 0 and "critic/score/mean" in r]
+    # samples per step from the overrides actually passed (--extra may change n or the batch)
+    last = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
+    per_step = int(last["actor_rollout_ref.rollout.n"]) * int(last["data.train_batch_size"])
     curve, elapsed = [], 0.0
     for r in rows:
         elapsed += r.get("timing_s/step", 0.0)
-        curve.append({"step": r["step"], "samples": r["step"] * SAMPLES_PER_STEP[method],
+        curve.append({"step": r["step"], "samples": r["step"] * per_step,
                       "score": r["critic/score/mean"], "seconds": elapsed})
     print(f"  {task}/{method}: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
     return curve
