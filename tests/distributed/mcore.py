@@ -58,3 +58,21 @@ def token_log_probs(chunks, info, batches):
     with torch.no_grad():
         out = run_schedule(chunks, batches, loss)
     return [o["lp"] for o in out]
+
+
+def random_batch(n, seed, prompt_len, response_len, vocab, prompt_index=None):
+    """A RolloutBatch of ``n`` random samples: prompt lengths in ``prompt_len`` [lo, hi), response
+    lengths in ``response_len`` [lo, hi), random advantages and returns on the response tokens."""
+    from megappo.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(*prompt_len, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    lengths = torch.randint(*response_len, (n,), generator=g)
+    T = int(lengths.max())
+    responses = torch.randint(3, vocab, (n, T), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    batch = RolloutBatch.from_prompts_and_responses(prompts, responses, mask, pad_token_id=0, prompt_index=prompt_index)
+    batch.advantages = torch.randn(n, T, generator=g) * mask
+    batch.returns = torch.randn(n, T, generator=g) * mask
+    return batch

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import spawn
-from mcore import build, setup
+from mcore import build, setup, random_batch
 
 pytestmark = pytest.mark.distributed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,19 +34,7 @@ HANG_S = 120  # the whole training spawn takes ~20 s on 2 cores
 
 
 def _batch():
-    from megappo.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, VOCAB, (int(torch.randint(4, 14, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(B)]
-    lengths = torch.randint(2, 12, (B,), generator=g)
-    T = int(lengths.max())
-    responses = torch.randint(3, VOCAB, (B, T), generator=g)
-    mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    batch = RolloutBatch.from_prompts_and_responses(prompts, responses, mask, pad_token_id=0)
-    batch.advantages = torch.randn(B, T, generator=g) * mask
-    batch.returns = torch.randn(B, T, generator=g) * mask
-    return batch
+    return random_batch(B, 11, (4, 14), (2, 12), VOCAB)
 
 
 def _lengths(batch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import spawn
-from mcore import build, setup
+from mcore import build, setup, random_batch
 
 pytestmark = pytest.mark.distributed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,20 +18,7 @@ B, M = 8, 4   # samples, global mini-batch size
 
 
 def _global_batch():
-    from megappo.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, VOCAB, (int(torch.randint(5, 13, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(B)]
-    lengths = torch.randint(3, 11, (B,), generator=g)
-    T = int(lengths.max())
-    responses = torch.randint(3, VOCAB, (B, T), generator=g)
-    mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    batch = RolloutBatch.from_prompts_and_responses(prompts, responses, mask, pad_token_id=0,
-                                                    prompt_index=torch.arange(B) // 2)
-    batch.advantages = torch.randn(B, T, generator=g) * mask
-    batch.returns = torch.randn(B, T, generator=g) * mask
-    return batch
+    return random_batch(B, 5, (5, 13), (3, 11), VOCAB, prompt_index=torch.arange(B) // 2)
 
 
 def _rows_for(rank_dp, dp):
