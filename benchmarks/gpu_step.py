@@ -180,7 +180,8 @@ def build_workers(a, device, dtype, cfg):
     if not a.no_critic:
         cinfo = describe(cfg, value_head=True)
         ccfg = transformer_config(cinfo, params_dtype=dtype, cpu=cpu)
-        cchunks = build_model(cinfo, ccfg, value_head=True, use_te=False if cpu else None, seed=a.seed)
+        cchunks = build_model(cinfo, ccfg, value_head=True, use_te=False if cpu else None, seed=a.seed,
+                              value_head_std=0.02)
         critic = Critic(cchunks, ccfg, device=device, lr=1e-6, clip_grad=1.0)
     n = sum(p.numel() for c in chunks for p in c.parameters())
     nc = sum(p.numel() for c in critic.chunks for p in c.parameters()) if critic else 0

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.config import PPOConfig, critic_enabled, parallel_layout
+from megappo.config import PPOConfig, critic_enabled, parallel_layout, to_dict
 
 __all__ = ["PPOTrainer", "init_distributed"]
 
@@ -93,7 +93,8 @@ class PPOTrainer:
             info = describe(load_hf_config(model_path), tp=tp, value_head=value_head)
             tcfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=m.sequence_parallel,
                                       params_dtype=dtype, cpu=self.device.type == "cpu")
-            chunks = build_model(info, tcfg, value_head=value_head, seed=m.seed)
+            chunks = build_model(info, tcfg, value_head=value_head, seed=m.seed,
+                                 value_head_std=cfg.critic.model.value_head_init_std)
             load_hf_weights(chunks, model_path, info.desc, Layout.from_megatron())
             return info, tcfg, chunks
 
@@ -134,7 +135,8 @@ class PPOTrainer:
         self.step_no = 0
         self.timer = Timer()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
-                                    total_steps=total)
+                                    total_steps=total, project=tr.project_name, experiment=tr.experiment_name,
+                                    config=to_dict(cfg))
         self.resumed_from = self.resume()
         self.sync_weights()
 

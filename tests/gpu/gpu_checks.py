@@ -168,7 +168,8 @@ def build(path: str, device: torch.device, dtype: torch.dtype, use_te: bool, val
     ensure_parallel()
     info = describe(load_hf_config(path), value_head=value_head)
     cfg = transformer_config(info, params_dtype=dtype, cpu=device.type == "cpu")
-    chunks = build_model(info, cfg, value_head=value_head, use_te=use_te)
+    # a random head (not the trainer's zero default) so the critic checks see non-zero values
+    chunks = build_model(info, cfg, value_head=value_head, use_te=use_te, value_head_std=(info.desc.hidden_size + 1) ** -0.5)
     assert chunks[0].megappo_te_spec == use_te
     load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
     return info, cfg, chunks

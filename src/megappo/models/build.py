@@ -38,7 +38,7 @@ def parallel_ranks() -> dict:
 
 
 def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: Optional[bool] = None,
-                seed: int = 42) -> list[torch.nn.Module]:
+                seed: int = 42, value_head_std: float = 0.0) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage held by this rank (a list of one without VPP).
 
     ``value_head=True`` builds the critic: the same backbone, with a (1, hidden) head in place
@@ -68,7 +68,7 @@ def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: 
         rot = model.rotary_pos_emb
         rot.inv_freq = info.inv_freq.to(device=rot.inv_freq.device, dtype=rot.inv_freq.dtype)
         if value_head and post:
-            model.output_layer = ValueHead(config, seed)
+            model.output_layer = ValueHead(config, seed, std=value_head_std)
         model.megappo_te_spec = use_te  # parameter names follow the spec; hf_io reads this
         chunks.append(model)
     return chunks

@@ -45,17 +45,17 @@ class ValueHead(torch.nn.Module):
 
     ``weight`` (1, hidden) and ``bias`` (1,) map to HF's ``score.weight`` / ``score.bias``.
     Replicated on every TP rank (one output cannot be split); under sequence parallelism the
-    hidden states are gathered first. Init: N(0, 1/(hidden + 1)) from a CPU generator seeded with
-    ``seed`` so every rank holds the same head, then placed where megatron places parameters
-    (the current CUDA device unless ``use_cpu_initialization``).
+    hidden states are gathered first. Init: N(0, std^2) from a CPU generator seeded with ``seed``
+    so every rank holds the same head, then placed where megatron places parameters (the current
+    CUDA device unless ``use_cpu_initialization``).
     """
 
-    def __init__(self, config, seed: int):
+    def __init__(self, config, seed: int, std: float = 0.0):
         super().__init__()
         self.config = config
         self.sequence_parallel = bool(config.sequence_parallel)
         g = torch.Generator().manual_seed(seed)
-        w = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float32) / (config.hidden_size + 1) ** 0.5
+        w = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float32) * std
         device = init_device(config)
         self.weight = torch.nn.Parameter(w.to(device=device, dtype=config.params_dtype))
         # transformers' token-classification head (a one-label reward model, the critic export)
