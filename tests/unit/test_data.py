@@ -189,7 +189,11 @@ def test_preprocess_gsm8k_and_reward(tok, tmp_path):
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["7", "1234"]
     assert rows[0]["data_source"] == "openai/gsm8k" and "####" in rows[0]["prompt"][0]["content"]
     assert pq.read_table(str(out / "test.parquet")).to_pylist()[0]["reward_model"]["ground_truth"] == "4"
-    ds = PromptDataset([str(out / "train.parquet")], build_word_tokenizer(WORDS), max_prompt_length=64)
+    import re
+
+    # a vocabulary that covers the text (a word tokenizer without it is refused: mostly unknown tokens)
+    words = sorted({w for r in rows for w in re.findall(r"\w+|[^\w\s]+", r["prompt"][0]["content"])})
+    ds = PromptDataset([str(out / "train.parquet")], build_word_tokenizer(WORDS + words), max_prompt_length=256)
     truths = [it.ground_truth for it in ds]
     assert truths == ["7", "1234"]
     assert score_batch(["openai/gsm8k"] * 4, ["so #### 7", "#### 8", "it is #### 1,234", "1234"],
@@ -320,3 +324,40 @@ def test_structured_ground_truth_reaches_the_reward_function(tok, tmp_path):
     f = write(tmp_path / "d.parquet", [{"data_source": "d", "prompt": MSG, "reward_model": {"ground_truth": gt}}])
     ds = PromptDataset([str(f)], tok, max_prompt_length=64)
     assert ds[0].ground_truth == gt
+
+
+def _byte_level_over_words():
+    """The trap users hit: a word-level vocabulary behind a byte-level pre-tokenizer (what
+    transformers 5 builds when it loads such a folder with Qwen2Tokenizer): every word arrives as
+    'Ġword' or 'word' glued to punctuation and is unknown."""
+    from tokenizers import pre_tokenizers
+
+    bad = build_word_tokenizer(WORDS)
+    bad.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return bad
+
+
+def test_a_tokenizer_that_does_not_fit_the_data_is_named(tok, tmp_path):
+    good = [row("echo: red blue green gold one two"), row("echo: three four five six red")]
+    f = write(tmp_path / "d.parquet", good + [row("echo: red blue green gold")])
+    assert len(PromptDataset([f], tok, max_prompt_length=64)) == 3
+    bad = _byte_level_over_words()
+    ids = tokenize_prompt(bad, good[0]["prompt"])
+    assert ids.count(bad.unk_token_id) >= 5   # the trap is real: words became unknown
+    with pytest.raises(DataError, match=r"d\.parquet, row 0: \d+% of the prompt's tokens are the unknown token "
+                                        rf"with the tokenizer loaded \({type(bad).__name__}\)"):
+        PromptDataset([f], bad, max_prompt_length=64)
+
+
+def test_text_that_vanishes_into_the_template_is_named(tok, tmp_path):
+    class Dropping:
+        """A tokenizer whose pre-tokenizer drops the text: only template tokens remain."""
+        unk_token_id = None
+
+        def apply_chat_template(self, messages, **kw):
+            return tok.apply_chat_template([dict(m, content="") for m in messages], **kw)
+
+    f = write(tmp_path / "d.parquet", [row("echo: red blue green gold one two")])
+    with pytest.raises(DataError, match=r"d\.parquet, row 0: 33 characters of prompt text became 0 tokens beyond "
+                                        r"the chat template's 2 with the tokenizer loaded \(Dropping\)"):
+        PromptDataset([f], Dropping(), max_prompt_length=64)

@@ -137,8 +137,39 @@ def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
+SANITY_ROWS = 64          # rows per file the tokenizer checks look at: a wrong tokenizer is systematic
+MAX_CHARS_PER_TOKEN = 24  # real tokenizers give ~2-6 characters of text per token
+MAX_UNK_SHARE = 0.5
+
+
+def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: str) -> None:
+    """Catch a tokenizer that does not fit the data: text that becomes (almost) no tokens beyond
+    the chat template's, or mostly unknown tokens. transformers may load a folder with another
+    tokenizer class than its tokenizer.json describes (e.g. Qwen2Tokenizer with its byte-level
+    pre-tokenizer over a word-level vocabulary), and training then sees only template tokens."""
+    text = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+    chars = sum(len(t.strip()) for t in text)
+    if chars < 8:
+        return
+    blank = tokenize_prompt(tokenizer, [dict(m, content="") for m in messages])
+    content = len(ids) - len(blank)
+    name = type(tokenizer).__name__
+    if content * MAX_CHARS_PER_TOKEN < chars:
+        raise DataError(f"{where}: {chars} characters of prompt text became {max(content, 0)} tokens beyond the chat "
+                        f"template's {len(blank)} with the tokenizer loaded ({name}); it does not fit this data or "
+                        "this model folder (check tokenizer_config.json's tokenizer_class and tokenizer.json)")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and content > 0:
+        share = (sum(1 for i in ids if i == unk) - sum(1 for i in blank if i == unk)) / content
+        if share > MAX_UNK_SHARE:
+            raise DataError(f"{where}: {share:.0%} of the prompt's tokens are the unknown token with the tokenizer "
+                            f"loaded ({name}); it does not fit this data or this model folder (check "
+                            "tokenizer_config.json's tokenizer_class and tokenizer.json)")
+
+
 class PromptDataset:
-    """All rows of the given files, in order, tokenized; overlong prompts filtered or truncated."""
+    """All rows of the given files, in order, tokenized; overlong prompts filtered or truncated.
+    The first rows of each file also check that the tokenizer fits the text (_check_tokenization)."""
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
                  filter_overlong_prompts: bool = False, truncation: str = "error"):
@@ -155,6 +186,8 @@ class PromptDataset:
                 where = f"{path}, row {r}"
                 _check_row(row, where, prompt_key)
                 ids = tokenize_prompt(tokenizer, row[prompt_key])
+                if r < SANITY_ROWS:
+                    _check_tokenization(tokenizer, row[prompt_key], ids, where)
                 truncated = False
                 if len(ids) > max_prompt_length:
                     if filter_overlong_prompts:
