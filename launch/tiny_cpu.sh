@@ -16,7 +16,7 @@ PP="${PP:-2}"
 "$PY" -c "from megappo.data.tiny import make_tiny_setup; make_tiny_setup('$OUT')"
 # Token-budget micro-batches (use_dynamic_bsz): a pipeline schedule pays a fixed cost per
 # micro-batch, and fixed micro-batches of 2 short samples made each step 12x slower.
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m megappo.train \
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m megappo.train --config tiny_cpu \
   trainer.n_gpus_per_node="$NPROC" \
   actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$TP" \
   actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$PP" \

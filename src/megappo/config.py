@@ -13,6 +13,7 @@ algorithm registries in :func:`validate`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import difflib
 import math
 import os
@@ -21,7 +22,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Callable, Any, Literal, Optional, Union
 
 import yaml
 
@@ -206,6 +207,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticModelConfig:
     path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from; defaults to the actor's.")
+    value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
 
 
 @dataclass
@@ -278,7 +280,7 @@ class TrainerConfig:
     balance_batch: bool = _f(True, "Reorder samples so every data-parallel rank gets a similar token count.")
     project_name: str = _f("megappo", "Project name (log and checkpoint paths).")
     experiment_name: str = _f("default", "Experiment name (log and checkpoint paths).")
-    logger: list[Literal["console", "tensorboard", "file"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory).")
+    logger: list[Literal["console", "tensorboard", "file", "wandb", "mlflow"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory), wandb, mlflow (pip install megappo[loggers]).")
     default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
     resume_mode: str = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (use resume_from_path) | a checkpoint path.")
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
@@ -512,17 +514,46 @@ def apply_override(cfg: PPOConfig, text: str) -> None:
         raise ValueError(f"{key}={value}: {e}") from None
 
 
-def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optional[list] = None) -> None:
-    """Apply a (nested or dotted) mapping, e.g. a parsed YAML preset."""
+def _verl_key(path: str, value: Any, errors: Optional[list], warnings: Optional[list]) -> bool:
+    """A key with no field here that verl knows (megappo.verl_keys): record its warning or error
+    and return True; False when verl does not know it either."""
+    from megappo import verl_keys
+
+    if isinstance(value, dict):  # a nested mapping under an unknown section: judge its leaves
+        leaves = {f"{path}.{k}": v for k, v in value.items()}
+        if not all(verl_keys.check(p, v) is not None or isinstance(v, dict) for p, v in leaves.items()):
+            return False
+        return all(_verl_key(p, v, errors, warnings) for p, v in leaves.items())
+    got = verl_keys.check(path, value)
+    if got is None:
+        return False
+    kind, msg = got
+    if kind == "warn" and warnings is not None:
+        warnings.append(msg)
+    elif kind == "error":
+        if errors is None:
+            raise ValueError(f"{path}: {msg}")
+        errors.append((path, msg))
+    return True
+
+
+def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optional[list] = None,
+                  set_paths: Optional[list] = None, warnings: Optional[list] = None) -> None:
+    """Apply a (nested or dotted) mapping, e.g. a parsed YAML preset; the key paths set are
+    appended to ``set_paths``. verl keys with no field here: see megappo.verl_keys."""
     for k, v in mapping.items():
         path = prefix + str(k)
         try:
             obj, name, tp = _locate(cfg, path)
             if _is_section(tp) and isinstance(v, dict):
-                apply_mapping(cfg, v, prefix=path + ".", errors=errors)
+                apply_mapping(cfg, v, prefix=path + ".", errors=errors, set_paths=set_paths, warnings=warnings)
                 continue
             _set(cfg, path, v, from_text=False)
+            if set_paths is not None:
+                set_paths.append(path)
         except (KeyError, ValueError) as e:
+            if isinstance(e, KeyError) and _verl_key(path, v, errors, warnings):
+                continue
             if errors is None:
                 raise
             msg = e.args[0] if isinstance(e, KeyError) else str(e)
@@ -645,12 +676,17 @@ def load_config(
     *,
     raise_errors: bool = True,
     errors: Optional[list] = None,
+    sources: Optional[dict] = None,
+    warnings: Optional[list] = None,
 ) -> PPOConfig:
     """Defaults <- each YAML in ``config_files`` (paths or built-in preset names) <- overrides.
 
     All problems are collected; with ``raise_errors`` a single :class:`ConfigError` lists them.
+    ``sources`` (when given) receives, per key path set, where its value came from;
+    ``warnings`` the one-line warnings of accepted verl keys that have no effect here.
     """
     errs: list[tuple[str, str]] = [] if errors is None else errors
+    src: dict = {} if sources is None else sources
     cfg = PPOConfig()
     for name in config_files:
         path = _preset_path(name)
@@ -658,13 +694,19 @@ def load_config(
         if read is not None:
             data, lines = read
             sub: list = []
-            apply_mapping(cfg, data, errors=sub)
+            done: list = []
+            apply_mapping(cfg, data, errors=sub, set_paths=done, warnings=warnings)
             errs += [(k, f"{m} (in {path}" + (f", line {lines[k]})" if k in lines else ")")) for k, m in sub]
+            where = f"preset {name}" if path.parent == PRESETS_DIR and name == path.stem else str(path)
+            src.update((k, where) for k in done)
     for text in overrides:
         try:
             apply_override(cfg, text)
+            src[text.split("=", 1)[0].strip().lstrip("+")] = "the command line"
         except KeyError as e:
-            errs.append((text.split("=", 1)[0].strip().lstrip("+"), e.args[0]))
+            key, value = (x.strip() for x in text.split("=", 1))
+            if not _verl_key(key.lstrip("+"), value, errs, warnings):
+                errs.append((key.lstrip("+"), e.args[0]))
         except ValueError as e:
             key = text.split("=", 1)[0].strip().lstrip("+") if "=" in text else ""
             errs.append((key, str(e).split(": ", 1)[-1] if key else str(e)))
@@ -672,6 +714,16 @@ def load_config(
     if errs and raise_errors:
         raise ConfigError(errs)
     return cfg
+
+
+def source_of(sources: dict, path: str) -> str:
+    """Where the value of ``path`` came from (see load_config's ``sources``): the command line,
+    a preset or YAML file, or the defaults (verl's, or a reference to another key)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in sources:
+            return sources[".".join(parts[:i])]
+    return "the defaults"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -729,10 +781,12 @@ def validate(
     check_paths: bool = False,
     world_size: Optional[int] = None,
     warnings: Optional[list[str]] = None,
+    installed: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None,
 ) -> None:
     """Check every rule; raise one :class:`ConfigError` listing all that fail.
 
-    ``check_paths`` also requires data files and the model directory to exist (a real start);
+    ``check_paths`` also requires data files and the model directory to exist, and the optional
+    packages a chosen logger needs to be ``installed`` (a real start);
     ``world_size`` is the launcher's actual WORLD_SIZE, checked against nnodes x n_gpus_per_node.
     Advisory findings are appended to ``warnings``.
     """
@@ -934,6 +988,10 @@ def validate(
         if tr.resume_mode == "resume_path" and tr.resume_from_path:
             need(Path(os.path.expanduser(tr.resume_from_path)).is_dir(), "trainer.resume_from_path",
                  f"checkpoint directory not found: {tr.resume_from_path}")
+        for sink in ("wandb", "mlflow"):
+            if sink in tr.logger:
+                need(installed(sink), "trainer.logger",
+                     f"{sink} is not installed: pip install {sink} (or megappo[loggers]), or drop it from the list")
         if tr.resume_mode not in ("disable", "auto", "resume_path"):
             need(Path(os.path.expanduser(tr.resume_mode)).is_dir(), "trainer.resume_mode",
                  f"expected disable, auto, resume_path or an existing checkpoint directory, got {tr.resume_mode!r}")

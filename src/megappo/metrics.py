@@ -197,14 +197,80 @@ class Timer:
         return out
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class _WandbSink:
+    """verl's naming: project = trainer.project_name, run name = trainer.experiment_name, the
+    resolved config as the run's config. The run id is kept in ``<run_dir>/wandb_run_id`` so a
+    resumed job continues the same run. Offline: ``WANDB_MODE=offline`` (wandb's own switch)."""
+
+    def __init__(self, run_dir: str, project: str, experiment: str, config: dict):
+        import wandb
+
+        id_file = os.path.join(run_dir, "wandb_run_id")
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id)
+        self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", config=config,
+                              dir=run_dir)
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MlflowSink:
+    """verl's naming: experiment = trainer.project_name, run name = trainer.experiment_name, the
+    flattened config as parameters. Tracking store: ``MLFLOW_TRACKING_URI`` if set, else a local
+    store in ``<run_dir>/mlruns``. A resumed job continues the same run (id in
+    ``<run_dir>/mlflow_run_id``). MLflow rejects '@' in metric names: it becomes '_at_' as in verl."""
+
+    def __init__(self, run_dir: str, project: str, experiment: str, config: dict):
+        import mlflow
+
+        self.mlflow = mlflow
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.set_tracking_uri("file://" + os.path.abspath(os.path.join(run_dir, "mlruns")))
+        id_file = os.path.join(run_dir, "mlflow_run_id")
+        if os.path.exists(id_file):
+            self.run = mlflow.start_run(run_id=open(id_file).read().strip())
+        else:
+            mlflow.set_experiment(project)
+            self.run = mlflow.start_run(run_name=experiment)
+            with open(id_file, "w") as f:
+                f.write(self.run.info.run_id)
+            params = {k: str(v)[:500] for k, v in _flat(config).items()}
+            items = list(params.items())
+            for i in range(0, len(items), 100):  # mlflow's batch limit
+                mlflow.log_params(dict(items[i:i + 100]))
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
 class MetricsLogger:
     """Writes each step's metrics to the sinks named in ``trainer.logger``: ``console`` (one line
-    per step), ``tensorboard`` (event files in ``<run_dir>/tensorboard``) and ``file``
-    (``<run_dir>/metrics.jsonl``, one JSON object per step). Call on every rank; only rank 0 writes."""
+    per step), ``tensorboard`` (event files in ``<run_dir>/tensorboard``), ``file``
+    (``<run_dir>/metrics.jsonl``, one JSON object per step), ``wandb`` and ``mlflow`` (optional
+    packages; verl's project/experiment naming). Call on every rank; only rank 0 writes."""
 
-    SINKS = ("console", "tensorboard", "file")
+    SINKS = ("console", "tensorboard", "file", "wandb", "mlflow")
 
-    def __init__(self, sinks, run_dir: str, rank: int = 0, total_steps: Optional[int] = None, stream=None):
+    def __init__(self, sinks, run_dir: str, rank: int = 0, total_steps: Optional[int] = None, stream=None,
+                 project: str = "megappo", experiment: str = "default", config: Optional[dict] = None):
         self.run_dir = run_dir
         self._resumed_at = 0
         unknown = set(sinks) - set(self.SINKS)
@@ -226,6 +292,11 @@ class MetricsLogger:
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if "file" in self.sinks:
             self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._remote = []
+        if "wandb" in self.sinks:
+            self._remote.append(_WandbSink(run_dir, project, experiment, config or {}))
+        if "mlflow" in self.sinks:
+            self._remote.append(_MlflowSink(run_dir, project, experiment, config or {}))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.active:
@@ -252,6 +323,8 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **scalars}) + "\n")
             self._file.flush()
+        for sink in self._remote:
+            sink.log(step, scalars)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop what a crashed run logged after its last checkpoint, so each step
@@ -283,6 +356,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=step + 1)
 
     def close(self) -> None:
+        for sink in getattr(self, "_remote", []):
+            sink.close()
         if self._tb is not None:
             self._tb.close()
         if self._file is not None:

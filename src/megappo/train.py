@@ -8,9 +8,12 @@ import argparse
 import os
 import sys
 
-from megappo.config import ConfigError, PPOConfig, load_config, parallel_layout, to_yaml, validate
+from megappo.config import (ConfigError, PPOConfig, all_keys, load_config, parallel_layout, source_of, to_yaml,
+                            validate)
 
-DEFAULT_PRESET = "tiny_cpu"
+
+
+VERL_CONFIG_NAMES = {"ppo_megatron_trainer", "ppo_trainer"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -19,9 +22,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Megatron-backed PPO trainer. Overrides use verl's key paths: a.b.c=value.",
     )
     p.add_argument("--config", action="append", default=None, metavar="FILE_OR_PRESET",
-                   help=f"YAML file or built-in preset name, applied in order (default: {DEFAULT_PRESET})")
+                   help="YAML file or built-in preset name (e.g. tiny_cpu), applied in order over verl's defaults")
     p.add_argument("--dry-run", action="store_true",
                    help="validate (all rules but the existence of data/model paths), print the resolved config and exit")
+    # verl's hydra flags, so a verl command line runs unchanged: its two trainer configs are
+    # verl's defaults, which megappo's own defaults already are.
+    p.add_argument("--config-path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config-name", default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_args(argv)
 
@@ -33,8 +40,14 @@ def _is_rank0() -> bool:
 def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
     """Load and validate; raise one ConfigError holding every problem found."""
     errors: list[tuple[str, str]] = []
-    cfg = load_config(args.overrides, args.config or [DEFAULT_PRESET], raise_errors=False, errors=errors)
+    sources: dict = {}
     warnings: list[str] = []
+    name = args.config_name
+    if name is not None and name.removesuffix(".yaml") not in VERL_CONFIG_NAMES:
+        errors.append(("--config-name", f"{name!r} is not one of verl's trainer configs {sorted(VERL_CONFIG_NAMES)}, "
+                                        "whose defaults megappo starts from; pass your own YAML with --config"))
+    cfg = load_config(args.overrides, args.config or [], raise_errors=False, errors=errors, sources=sources,
+                      warnings=warnings)
     world = os.environ.get("WORLD_SIZE")
     try:
         validate(cfg, check_paths=not args.dry_run, world_size=None if args.dry_run or world is None else int(world),
@@ -42,7 +55,8 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
     except ConfigError as e:
         # Keys that failed to parse keep their defaults; don't report those twice.
         bad = {k for k, _ in errors}
-        errors += [(k, m) for k, m in e.errors if k not in bad]
+        errors += [(k, f"{m} [value from {source_of(sources, k)}]" if k in all_keys() else m)
+                   for k, m in e.errors if k not in bad]
     if errors:
         raise ConfigError(errors)
     return cfg, warnings

@@ -108,6 +108,6 @@ def test_ray_launcher_rejects_a_bad_config_before_starting_ray(capsys):
     assert e.value.code == 2
     assert "data.train_batch_size" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        launcher.main(["--nnodes", "2", "--nproc-per-node", "2", "--"])  # tiny_cpu preset: 1 node x 2
+        launcher.main(["--nnodes", "2", "--nproc-per-node", "2", "--", "--config", "tiny_cpu"])  # 1 node x 2
     assert e.value.code == 2
     assert "trainer.nnodes x trainer.n_gpus_per_node = 2" in capsys.readouterr().err

@@ -59,8 +59,8 @@ def test_logger_sinks(tmp_path):
     ea = EventAccumulator(str(tmp_path / "tensorboard"))
     ea.Reload()
     assert [e.value for e in ea.Scalars("critic/score/mean")] == [0.25, 0.5]
-    with pytest.raises(ValueError, match="unknown sinks \\['wandb'\\]"):
-        MetricsLogger(["wandb"], str(tmp_path))
+    with pytest.raises(ValueError, match="unknown sinks \\['neptune'\\]"):
+        MetricsLogger(["neptune"], str(tmp_path))
     quiet = MetricsLogger(["file"], str(tmp_path / "other"), rank=1)
     quiet.log(1, {"a": 1.0})
     assert not (tmp_path / "other").exists()

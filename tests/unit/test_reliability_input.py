@@ -242,7 +242,7 @@ def real_paths(tmp_path):
     write_parquet(rows, str(tmp_path / "test.parquet"))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    return [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
+    return ["--config", "tiny_cpu", f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
             f"actor_rollout_ref.model.path={tmp_path}/model"]
 
 

@@ -13,10 +13,25 @@ def run(*args, env=None, cwd=None, timeout=120):
 
 
 def test_dry_run_prints_the_resolved_default_config():
-    p = run("--dry-run")
+    """No --config: verl's defaults (one GPU node of 8), not the CPU preset. As in verl, the
+    micro-batch sizes have no default: the error says so, and where the value came from."""
+    p = run("--dry-run", "actor_rollout_ref.actor.clip_ratio_c=0.5")
+    assert p.returncode == 2
+    assert ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: must be set when "
+            "actor_rollout_ref.actor.use_dynamic_bsz is false [value from the defaults]") in p.stderr, p.stderr
+    assert "clip_ratio_c: dual-clip constant must be > 1, got 0.5 [value from the command line]" in p.stderr, p.stderr
+    micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
+    p = run("--dry-run", *micro)
     assert p.returncode == 0, p.stderr
     printed = yaml.safe_load(p.stdout)
-    assert printed == to_dict(load_config([], ["tiny_cpu"]))
+    assert printed == to_dict(load_config(micro, []))
+    assert printed["trainer"]["device"] == "cuda" and printed["actor_rollout_ref"]["rollout"]["n"] == 1
+    assert "# layout: world=8" in p.stdout
+    p = run("--dry-run", "--config", "tiny_cpu")
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout) == to_dict(load_config([], ["tiny_cpu"]))
     assert "# layout: world=2" in p.stdout and "DP=2" in p.stdout
 
 
@@ -46,7 +61,7 @@ def test_typo_is_named_with_suggestion():
 
 
 def test_several_problems_reported_together():
-    p = run("--dry-run", "actor_rollout_ref.actor.clip_ratio_c=0.5", "trainer.save_freq=0", "data.seed=x",
+    p = run("--dry-run", "--config", "tiny_cpu", "actor_rollout_ref.actor.clip_ratio_c=0.5", "trainer.save_freq=0", "data.seed=x",
             "data.bogus=1")
     assert p.returncode == 2
     for frag in ("clip_ratio_c", "trainer.save_freq", "data.seed", "data.bogus", "4 configuration errors"):
@@ -56,13 +71,13 @@ def test_several_problems_reported_together():
 def test_real_start_checks_paths_and_world_size(tmp_path):
     # The preset's paths are relative: run where they do not exist (the README's main command
     # creates them in the repository root).
-    p = run(cwd=tmp_path)
+    p = run("--config", "tiny_cpu", cwd=tmp_path)
     assert p.returncode == 2
     assert "data.train_files: file not found" in p.stderr
     assert "actor_rollout_ref.model.path: model directory not found" in p.stderr
     import os
     env = dict(os.environ, WORLD_SIZE="5", RANK="0")
-    p = run(env=env, cwd=tmp_path)
+    p = run("--config", "tiny_cpu", env=env, cwd=tmp_path)
     assert p.returncode == 2 and "WORLD_SIZE=5" in p.stderr
 
 
@@ -75,7 +90,7 @@ def test_without_a_launcher_one_process_runs_and_more_are_told_how_to_start(tmp_
 
     p = make_tiny_setup(str(tmp_path / "tiny"), n_train=16, n_test=4)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    paths = [f"actor_rollout_ref.model.path={p['model']}", f"data.train_files=[{p['train']}]",
+    paths = ["--config", "tiny_cpu", f"actor_rollout_ref.model.path={p['model']}", f"data.train_files=[{p['train']}]",
              f"data.val_files=[{p['test']}]", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[file]"]
     two = run(*paths, env=env, cwd=tmp_path)
     assert two.returncode == 2

@@ -73,11 +73,11 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str]]:
     # Resolve the job's configuration here, before reserving anything: a broken config fails in
     # seconds on the driver instead of on every rank; the device decides what a bundle holds.
     from megappo.config import ConfigError, load_config, validate
-    from megappo.train import DEFAULT_PRESET, parse_args
+    from megappo.train import parse_args
 
     targs = parse_args(train)
     try:
-        cfg = load_config(targs.overrides, targs.config or [DEFAULT_PRESET])
+        cfg = load_config(targs.overrides, targs.config or [])
         validate(cfg, check_paths=False)  # files are checked on the ranks' nodes
     except ConfigError as e:
         p.exit(2, f"megappo ray: invalid configuration, nothing was started.\n{e}\n")

@@ -1,0 +1,101 @@
+"""verl keys that are not megappo settings: what a verl launch command may pass and what happens.
+
+verl users bring their launch scripts. Keys megappo has a field for are settings (megappo.config);
+the keys here are verl's too, but either mean nothing for a Megatron-only, colocated trainer
+(accepted, silently when the value is what megappo does anyway, with a one-line warning when it
+asks for something megappo does not do yet) or name a feature megappo lacks (an error that says
+so, and what to use instead). A key in neither place is an unknown key (with suggestions).
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Optional
+
+import yaml
+
+MEGATRON_ONLY = ("megappo is Megatron-only: FSDP settings do not apply (the layout: "
+                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size)")
+
+# (key pattern, check(value) -> None when accepted silently, ("warn", text) or ("error", text))
+Rule = Callable[[Any], Optional[tuple[str, str]]]
+
+
+def _when(bad: Callable[[Any], bool], kind: str, text: str) -> Rule:
+    return lambda v: (kind, text) if bad(v) else None
+
+
+def _always(kind: str, text: str) -> Rule:
+    return lambda v: (kind, text)
+
+
+def _truthy(v: Any) -> bool:
+    return v not in (False, None, 0, "false", "False")
+
+
+RULES: list[tuple[str, Rule]] = [
+    # accepted: what megappo does anyway, or a no-op until the feature lands
+    ("actor_rollout_ref.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
+    ("critic.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", _when(_truthy, "warn", "has no effect yet: activation recomputation arrives with issue 4/7")),
+    ("critic.model.enable_gradient_checkpointing", _when(_truthy, "warn", "has no effect yet: activation recomputation arrives with issue 4/7")),
+    ("actor_rollout_ref.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
+    ("*.megatron.param_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
+    ("*.megatron.grad_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
+    ("*.megatron.optimizer_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
+    ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
+    ("*.megatron.dist_checkpointing_path", lambda v: None),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill", _when(lambda v: not _truthy(v), "warn", "has no effect: vLLM's chunked prefill stays on")),
+    ("actor_rollout_ref.rollout.mode", lambda v: None if v == "sync" else ("warn", "runs as sync: megappo generates each step's batch in one call to its colocated engines; single-turn samples are drawn the same way (agent loops are not supported)") if v == "async" else ("error", "must be sync or async")),
+    ("actor_rollout_ref.hybrid_engine", _when(lambda v: v is not True, "error", "must be True: megappo always colocates training and rollout (a split placement arrives with issue 7/7)")),
+    ("model_engine", _when(lambda v: v != "megatron", "error", "must be megatron: megappo is Megatron-only")),
+    ("actor_rollout_ref.actor.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
+    ("actor_rollout_ref.ref.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
+    ("critic.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
+    ("data.return_raw_chat", _when(_truthy, "warn", "has no effect: the reward model must share the actor's tokenizer (no chat re-templating)")),
+    ("trainer.log_val_generations", _when(_truthy, "warn", "has no effect yet: validation generations are not logged")),
+    ("trainer.use_legacy_worker_impl", lambda v: None),
+    ("trainer.default_hdfs_dir", _when(lambda v: v is not None, "error", "must be null: HDFS copies are not supported; checkpoints go to trainer.default_local_dir")),
+    ("ray_kwargs.*", _always("warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
+    # features megappo lacks
+    ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: context parallelism is not supported")),
+    ("*.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: megappo starts from the HF folder in model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
+    ("*.megatron.expert_model_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
+    ("*.megatron.expert_tensor_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
+    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included)")),
+    ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
+    ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
+    ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),
+    ("reward_model.reward_manager", _when(lambda v: v != "naive", "error", "must be naive: other reward managers (DAPO's arrives with issue 5/7) are not supported; megappo scores with the rule or custom function, or reward_model.enable")),
+    ("reward_model.reward_kwargs.*", _always("error", "is not supported yet: DAPO's overlong reward shaping arrives with issue 5/7")),
+    # FSDP: say which megatron key replaces the setting
+    ("*.fsdp_config.param_offload", _always("error", MEGATRON_ONLY.replace("(the layout:", "(the same setting: <section>.megatron.param_offload; the layout:"))),
+    ("*.fsdp_config.optimizer_offload", _always("error", MEGATRON_ONLY.replace("(the layout:", "(the same setting: <section>.megatron.optimizer_offload; the layout:"))),
+    ("*.fsdp_config.*", _always("error", MEGATRON_ONLY)),
+    ("*.ulysses_sequence_parallel_size", _when(lambda v: v not in (1, None), "error", MEGATRON_ONLY + " (Ulysses sequence parallelism is FSDP's)")),
+]
+
+
+def parse_value(value: Any) -> Any:
+    """A value as verl's hydra would see it: text from the command line is parsed as YAML."""
+    if isinstance(value, str):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return value
+
+
+def check(key: str, value: Any) -> Optional[tuple[str, str]]:
+    """For a key megappo has no field for: None if it is not a known verl key; ("ok", ""),
+    ("warn", message) or ("error", message) otherwise. Messages start with the key."""
+    for pattern, rule in RULES:
+        if fnmatch.fnmatchcase(key, pattern):
+            v = parse_value(value)
+            got = rule(v)
+            if got is None:
+                return ("ok", "")
+            kind, text = got
+            section = key.split(".fsdp_config")[0].replace(".model", "") if ".fsdp_config" in key else ""
+            text = text.replace("<section>", section or "actor_rollout_ref.actor")
+            return (kind, f"{key}={v!r} {text}" if kind == "warn" else f"{text} (got {v!r})")
+    return None

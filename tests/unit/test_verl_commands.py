@@ -1,0 +1,165 @@
+"""verl users' launch commands, verbatim (tests/unit/verl_commands.py), through
+`python -m megappo.train --dry-run` with no --config: the Megatron ones run unchanged unless they
+use a feature megappo lacks, and then the error names each such key and says so; the FSDP ones
+are told megappo is Megatron-only and which keys replace theirs."""
+import contextlib
+import io
+
+import pytest
+import yaml
+
+from verl_commands import VERL_COMMANDS
+
+# Keys that name features megappo lacks, per command (every other key must be accepted).
+LACKING = {
+    "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh": {
+        "actor_rollout_ref.actor.megatron.use_dist_checkpointing", "actor_rollout_ref.ref.megatron.use_dist_checkpointing",
+        "critic.megatron.use_dist_checkpointing"},
+    "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh": None,  # MoE: filled in below
+}
+MOE = "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh"
+SAYS_WHY = ("not supported", "Megatron-only", "must be False", "must be 1", "issue ")
+
+
+def dry_run(argv):
+    from megappo import train
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = train.main(["--dry-run", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def errors(err: str) -> dict:
+    """key -> message of each listed configuration error."""
+    out = {}
+    for line in err.splitlines():
+        if line.startswith("  - "):
+            key, msg = line[4:].split(": ", 1)
+            out[key] = msg
+    return out
+
+
+def _same(parsed, text: str) -> bool:
+    try:
+        return float(parsed) == float(text)
+    except (TypeError, ValueError):
+        return str(parsed).lower() == str(yaml.safe_load(text)).lower()
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+")
+
+
+def test_the_collection_is_what_the_issue_asks_for():
+    kinds = [c["kind"] for c in VERL_COMMANDS]
+    assert len(VERL_COMMANDS) >= 8 and kinds.count("megatron") >= 4 and kinds.count("fsdp") >= 3
+    assert "quickstart" in kinds and {c["algo"] for c in VERL_COMMANDS} >= {"gae", "grpo"}
+
+
+@pytest.mark.parametrize("cmd", [c for c in VERL_COMMANDS if c["kind"] != "fsdp"], ids=lambda c: c["source"])
+def test_megatron_commands_run_unchanged_or_name_the_missing_feature(cmd):
+    rc, out, err = dry_run(cmd["argv"])
+    lacking = LACKING.get(cmd["source"], set())
+    if cmd["source"] == MOE:
+        lacking = {_key(a) for a in cmd["argv"] if ".override_transformer_config." in a or "override_optimizer_config" in a
+                   or "override_config." in a or "expert_model_parallel_size" in a
+                   or _key(a).startswith("reward_model.reward_")}  # MoE, its fusions and DAPO's reward manager
+    if not lacking:
+        assert rc == 0, err
+        cfg = yaml.safe_load(out[:out.index("# layout")])
+        # the command's values are what megappo runs with
+        for arg in cmd["argv"]:
+            if arg.startswith("--") or "=" not in arg:
+                continue
+            key, value = arg.split("=", 1)
+            node = cfg
+            for part in key.lstrip("+").split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None and not isinstance(node, list) and value not in ("null", "None"):
+                assert _same(node, value), (key, node, value)
+        for line in err.splitlines():   # accepted verl keys with no effect: one line each, saying so
+            assert line.startswith("megappo: warning: ") and "effect" in line or "runs as sync" in line, line
+        return
+    assert rc == 2
+    found = errors(err)
+    assert set(found) == lacking, sorted(set(found) ^ lacking)
+    for key, msg in found.items():
+        assert any(w in msg for w in SAYS_WHY), (key, msg)
+    # and nothing else stands in the way
+    rc, _, err = dry_run([a for a in cmd["argv"] if _key(a) not in lacking])
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("cmd", [c for c in VERL_COMMANDS if c["kind"] == "fsdp"], ids=lambda c: c["source"])
+def test_fsdp_commands_are_told_megappo_is_megatron_only(cmd):
+    rc, _, err = dry_run(cmd["argv"])
+    assert rc == 2
+    found = errors(err)
+    fsdp = {_key(a) for a in cmd["argv"] if ".fsdp_config." in a}
+    assert fsdp and fsdp <= set(found)
+    for key in fsdp:
+        assert "megappo is Megatron-only" in found[key] and "tensor_model_parallel_size" in found[key], found[key]
+        if key.endswith(("param_offload", "optimizer_offload")):   # the megatron key that replaces it
+            section = key.split(".fsdp_config")[0].removesuffix(".model")
+            assert f"{section}.megatron.{key.rsplit('.', 1)[1]}" in found[key], found[key]
+    other = set(found) - fsdp
+    assert all("not supported" in found[k] for k in other), {k: found[k] for k in other}
+    rc, _, err = dry_run([a for a in cmd["argv"] if _key(a) not in set(found)])
+    assert rc == 0, err
+
+
+def test_values_come_through_as_verl_means_them():
+    quick = next(c for c in VERL_COMMANDS if c["kind"] == "quickstart")
+    rc, out, err = dry_run(quick["argv"])
+    assert rc == 0, err
+    cfg = yaml.safe_load(out[:out.index("# layout")])
+    assert cfg["trainer"]["device"] == "cuda" and cfg["algorithm"]["adv_estimator"] == "gae"
+    assert cfg["critic"]["optim"]["lr"] == 1e-5 and cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6
+    assert "world=1 (1 node(s) x 1)" in out
+    first = VERL_COMMANDS[0]
+    rc, out, err = dry_run(first["argv"])
+    cfg = yaml.safe_load(out[:out.index("# layout")])
+    assert cfg["data"]["train_files"] == ["$HOME/data/gsm8k/train.parquet", "$HOME/data/math/train.parquet"]
+    assert cfg["trainer"]["logger"] == ["console", "wandb"]
+
+
+def test_unknown_config_name_and_unknown_key_are_errors():
+    rc, _, err = dry_run(["--config-name=my_trainer", "trainer.nnodes=1"])
+    assert rc == 2 and "--config-name: 'my_trainer' is not one of verl's trainer configs" in err
+    rc, _, err = dry_run(["actor_rollout_ref.rollout.mdoe=sync"])
+    assert rc == 2 and "unknown config key 'actor_rollout_ref.rollout.mdoe'" in err
+
+
+@pytest.mark.parametrize("arg, kind, fragment", [
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "warn", "activation recomputation arrives with issue 4/7"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=False", None, None),
+    ("actor_rollout_ref.model.use_remove_padding=True", "warn", "pads each micro-batch"),
+    ("actor_rollout_ref.actor.megatron.param_offload=True", "warn", "offload during rollout arrives with issue 4/7"),
+    ("critic.megatron.optimizer_offload=False", None, None),
+    ("actor_rollout_ref.hybrid_engine=True", None, None),
+    ("actor_rollout_ref.hybrid_engine=False", "error", "always colocates"),
+    ("model_engine=megatron", None, None),
+    ("model_engine=fsdp", "error", "Megatron-only"),
+    ("actor_rollout_ref.rollout.mode=sync", None, None),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=1", None, None),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "error", "context parallelism is not supported"),
+    ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=False", None, None),
+    ("trainer.default_hdfs_dir=null", None, None),
+    ("trainer.default_hdfs_dir=hdfs://x", "error", "HDFS copies are not supported"),
+    ("+ray_kwargs.ray_init.num_cpus=8", "warn", "megappo.launch.ray"),
+    ("actor_rollout_ref.actor.strategy=fsdp", "error", "Megatron-only"),
+    ("critic.model.fsdp_config.param_offload=True", "error", "critic.megatron.param_offload"),
+])
+def test_each_verl_only_key(arg, kind, fragment):
+    from megappo.config import load_config
+
+    warnings, errs = [], []
+    load_config([arg], ["tiny_cpu"], raise_errors=False, errors=errs, warnings=warnings)
+    key = _key(arg)
+    if kind is None:
+        assert not errs and not warnings, (errs, warnings)
+    elif kind == "warn":
+        assert not errs and len(warnings) == 1 and warnings[0].startswith(key) and fragment in warnings[0], warnings
+    else:
+        assert not warnings and len(errs) == 1 and errs[0][0] == key and fragment in errs[0][1], errs
