@@ -124,18 +124,20 @@ class MegatronConfig:
     seed: int = _f(42, "Seed of megatron's model-parallel RNGs (weight init, dropout).")
 
 
-def _inherit_megatron() -> MegatronConfig:
+@dataclass
+class RefMegatronConfig:
+    """The reference's layout: forward only, weights loaded (no optimizer, no seeded init)."""
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
+    sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
+
+
+def _inherit_megatron(cls=MegatronConfig):
     # The reference and the critic share the actor's process groups (megatron-core keeps one
     # global parallel state per process), so their layout defaults to the actor's.
     a = "actor_rollout_ref.actor.megatron."
-    return MegatronConfig(
-        tensor_model_parallel_size=Ref(a + "tensor_model_parallel_size"),
-        pipeline_model_parallel_size=Ref(a + "pipeline_model_parallel_size"),
-        virtual_pipeline_model_parallel_size=Ref(a + "virtual_pipeline_model_parallel_size"),
-        sequence_parallel=Ref(a + "sequence_parallel"),
-        use_distributed_optimizer=Ref(a + "use_distributed_optimizer"),
-        seed=Ref(a + "seed"),
-    )
+    return cls(**{f.name: Ref(a + f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -193,7 +195,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = _f(Ref("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"), "Samples per micro-batch of the reference log-prob pass.")
     log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"), "Token-budget micro-batches for the reference pass.")
     log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"), "Token budget per micro-batch of the reference pass.")
-    megatron: MegatronConfig = field(default_factory=lambda: _inherit_megatron(), metadata={"help": "Reference layout; must equal the actor's.", "section": True})
+    megatron: RefMegatronConfig = field(default_factory=lambda: _inherit_megatron(RefMegatronConfig), metadata={"help": "Reference layout; must equal the actor's.", "section": True})
 
 
 @dataclass
@@ -284,8 +286,8 @@ class TrainerConfig:
     default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
     resume_mode: str = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (use resume_from_path) | a checkpoint path.")
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
-    max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many actor checkpoints; null keeps all.")
-    max_critic_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many critic checkpoints; null keeps all.")
+    max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many checkpoints (actor and critic are saved together as one step); null keeps all.")
+    max_critic_ckpt_to_keep: Optional[int] = _f(None, "The same count (verl's critic key); when both are set they must be equal.")
     dist_timeout_s: int = _f(1800, "Seconds a rank waits in start-up or in a collective before failing (a dead or hung peer).")
 
 
@@ -819,6 +821,10 @@ def validate(
                 "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
         v = get(cfg, key)
         need(v is None or v >= 1, key, f"must be null or a positive integer, got {v!r}")
+    ka, kc = tr.max_actor_ckpt_to_keep, tr.max_critic_ckpt_to_keep
+    need(ka is None or kc is None or ka == kc, "trainer.max_critic_ckpt_to_keep",
+         f"must equal trainer.max_actor_ckpt_to_keep ({ka}), got {kc}: megappo saves the actor and the critic "
+         "together as one resumable step; set one of the two")
 
     # -- layout -----------------------------------------------------------------------------
     world = tr.nnodes * tr.n_gpus_per_node
@@ -882,6 +888,10 @@ def validate(
             need(tokens >= d.max_prompt_length + d.max_response_length, sect + "ppo_max_token_len_per_gpu",
                  f"token budget {tokens} is smaller than one sequence (data.max_prompt_length + "
                  f"data.max_response_length = {d.max_prompt_length + d.max_response_length})")
+    if critic_enabled(cfg) and cr.use_dynamic_bsz:
+        need(cr.forward_max_token_len_per_gpu >= d.max_prompt_length + d.max_response_length,
+             "critic.forward_max_token_len_per_gpu", f"token budget {cr.forward_max_token_len_per_gpu} is smaller than "
+             f"one sequence ({d.max_prompt_length + d.max_response_length} tokens)")
     for sect in (R, "actor_rollout_ref.ref."):
         if get(cfg, sect + "log_prob_use_dynamic_bsz"):
             tokens = get(cfg, sect + "log_prob_max_token_len_per_gpu")

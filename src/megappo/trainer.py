@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.config import PPOConfig, critic_enabled, parallel_layout, to_dict
+from megappo.config import MegatronConfig, PPOConfig, RefMegatronConfig, critic_enabled, parallel_layout, to_dict
+from megappo.workers.batching import PassBatching
 
 __all__ = ["PPOTrainer", "init_distributed"]
 
@@ -57,6 +58,7 @@ class PPOTrainer:
 
         self.cfg = cfg
         arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+        self.batching = PassBatching.from_config(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lay = parallel_layout(cfg, self.world)
         # Host-side collectives over DP (advantages, KL controller, metrics) carry CPU tensors of
@@ -65,7 +67,6 @@ class PPOTrainer:
         self.device = process_device(tr.device)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         m = arr.actor.megatron
-        tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
         cpu = tr.device == "cpu"
         dtype = torch.float32 if cpu else torch.bfloat16
         path = os.path.expanduser(arr.model.path)
@@ -82,18 +83,24 @@ class PPOTrainer:
 
         # Rollout engine first: vLLM's start-up reseeds RNGs (restored by the wrapper) and
         # under the external launcher every rank must construct it at the same point.
-        self.engine = VLLMRollout(
+        engines = {"vllm": VLLMRollout}  # actor_rollout_ref.rollout.name (validated: vllm only today)
+        self.engine = engines[arr.rollout.name](
             path, device=tr.device, tensor_parallel_size=arr.rollout.tensor_model_parallel_size,
             dtype="float32" if cpu else arr.rollout.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
             max_num_seqs=arr.rollout.max_num_seqs, max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization, enforce_eager=arr.rollout.enforce_eager,
             free_cache_engine=arr.rollout.free_cache_engine, seed=m.seed)
 
-        def build(value_head: bool, model_path: str):
-            info = describe(load_hf_config(model_path), tp=tp, value_head=value_head)
-            tcfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=m.sequence_parallel,
-                                      params_dtype=dtype, cpu=self.device.type == "cpu")
-            chunks = build_model(info, tcfg, value_head=value_head, seed=m.seed,
+        def build(value_head: bool, model_path: str, mc: MegatronConfig | RefMegatronConfig):
+            """One role's model from its HF folder and its megatron section ``mc`` (the layout
+            equals the actor's, validated; sequence parallelism and the seed are the role's)."""
+            info = describe(load_hf_config(model_path), tp=mc.tensor_model_parallel_size, value_head=value_head)
+            tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
+                                      vpp=mc.virtual_pipeline_model_parallel_size,
+                                      sequence_parallel=mc.sequence_parallel, params_dtype=dtype,
+                                      cpu=self.device.type == "cpu")
+            seed = m.seed if isinstance(mc, RefMegatronConfig) else mc.seed  # the reference's weights are all loaded
+            chunks = build_model(info, tcfg, value_head=value_head, seed=seed,
                                  value_head_std=cfg.critic.model.value_head_init_std)
             load_hf_weights(chunks, model_path, info.desc, Layout.from_megatron())
             return info, tcfg, chunks
@@ -101,7 +108,7 @@ class PPOTrainer:
         total = self.total_steps()
         o = arr.actor.optim
         warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
-        self.info, tcfg, chunks = build(False, path)
+        self.info, tcfg, chunks = build(False, path, m)
         self.actor = Actor(chunks, tcfg, device=self.device, vocab_size=self.info.desc.vocab_size, lr=o.lr, weight_decay=o.weight_decay,
                            clip_grad=o.clip_grad, betas=tuple(o.betas), use_distributed_optimizer=m.use_distributed_optimizer,
                            pad_token_id=self.pad_id, lr_warmup_steps=warm, lr_decay_steps=total,
@@ -109,28 +116,31 @@ class PPOTrainer:
         self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = None
         if self.use_ref:
-            _, rcfg, rchunks = build(False, path)
+            _, rcfg, rchunks = build(False, path, arr.ref.megatron)
             self.ref = Actor(rchunks, rcfg, device=self.device, vocab_size=self.info.desc.vocab_size,
                              pad_token_id=self.pad_id)
         self.critic = None
         if critic_enabled(cfg):
             co = cfg.critic.optim
             cwarm = co.lr_warmup_steps if co.lr_warmup_steps >= 0 else int(co.lr_warmup_steps_ratio * total)
-            _, ccfg, cchunks = build(True, os.path.expanduser(cfg.critic.model.path))
+            cm = cfg.critic.megatron
+            _, ccfg, cchunks = build(True, os.path.expanduser(cfg.critic.model.path), cm)
             self.critic = Critic(cchunks, ccfg, device=self.device, lr=co.lr, weight_decay=co.weight_decay, clip_grad=co.clip_grad,
-                                 betas=tuple(co.betas), use_distributed_optimizer=m.use_distributed_optimizer,
+                                 betas=tuple(co.betas), use_distributed_optimizer=cm.use_distributed_optimizer,
                                  pad_token_id=self.pad_id, lr_warmup_steps=cwarm, lr_decay_steps=total,
                                  lr_decay_style=co.lr_decay_style, min_lr=co.min_lr)
         self.reward_model = None
         if cfg.reward_model.enable:
             from megappo.workers import RewardModel
 
-            rm_info, rmcfg, rmchunks = build(True, os.path.expanduser(cfg.reward_model.model.path))
+            rm_info, rmcfg, rmchunks = build(True, os.path.expanduser(cfg.reward_model.model.path), cfg.critic.megatron)
             if rm_info.desc.vocab_size < len(self.tokenizer):
                 raise ValueError(f"reward_model.model.path: its vocabulary ({rm_info.desc.vocab_size}) is smaller than "
                                  f"the actor tokenizer's ({len(self.tokenizer)}); the reward model must share it")
             self.reward_model = RewardModel(rmchunks, rmcfg, device=self.device, pad_token_id=self.pad_id)
-        self.kl_ctrl = algo.make_kl_controller(cfg.algorithm.kl_ctrl)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
+                                                "horizon": k.horizon})
         self.sampler = PromptSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
         self.step_no = 0
         self.timer = Timer()
@@ -161,7 +171,7 @@ class PPOTrainer:
         return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, layout,
                                                         shared=self._shared_gather))
 
-    def rollout(self, items, sampling, salt: int = 0) -> tuple[RolloutBatch, list]:
+    def rollout(self, items, sampling, salt: int = 0, offset: int = 0) -> tuple[RolloutBatch, list]:
         """Generate on this rank's rollout replica, gather every replica's samples on every rank.
         Each prompt samples from its own seed, a function of (seed, step, salt, position in the
         batch): the samples do not depend on how prompts are split over replicas, and a resumed
@@ -172,7 +182,7 @@ class PPOTrainer:
         replica, n_rep = rollout_replica(self.rank, self.world, rtp)
         sl = prompt_slice(len(items), replica, n_rep)
         base = (self.cfg.data.seed * 1_000_003 + self.step_no * 4_000_037 + salt * 7_919_003) % (1 << 40)
-        sampling.seed = base + sl.start * sampling.n
+        sampling.seed = base + (offset + sl.start) * sampling.n  # offset: the items' place in a larger set
         local = self.engine.generate([it.prompt_ids for it in items[sl]], sampling)
         out = gather_outputs(local, sl.start, rtp, self.engine.pad_token_id)
         prompts = [items[i].prompt_ids for i in out.prompt_index.tolist()]
@@ -250,31 +260,24 @@ class PPOTrainer:
                     full.token_level_scores = self.score(full, full_items)
             n = arr.rollout.n
             lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
-            rows = deal_to_dp(lengths, act.ppo_mini_batch_size * n, self.dp, cfg.trainer.balance_batch)[self.dp_rank]
+            rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp, cfg.trainer.balance_batch)[self.dp_rank]
             batch = full.select(rows)
             if self.reward_model is not None:
-                rm = cfg.reward_model
                 with t("reward"):
-                    batch.token_level_scores = self.reward_model.compute_scores(
-                        batch, micro_batch_size=None if rm.use_dynamic_bsz else rm.micro_batch_size_per_gpu,
-                        max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
+                    batch.token_level_scores = self.reward_model.compute_scores(batch, **self.batching.reward.kwargs())
                     full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
             self._check_finite("reward", scores=full.token_level_scores)
-            mb = dict(micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
-                      max_token_len=arr.rollout.log_prob_max_token_len_per_gpu if arr.rollout.log_prob_use_dynamic_bsz else None)
-            if mb["max_token_len"]:
-                mb["micro_batch_size"] = None
             with t("old_log_prob"):
-                batch.old_log_prob = self.actor.compute_log_prob(batch, **mb)
+                batch.old_log_prob = self.actor.compute_log_prob(batch, **self.batching.old_log_prob.kwargs())
             self._check_finite("old_log_prob", old_log_prob=batch.old_log_prob)
             metrics.update(algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask))
             if self.ref is not None:
                 with t("ref"):
-                    batch.ref_log_prob = self.ref.compute_log_prob(batch, **mb)
+                    batch.ref_log_prob = self.ref.compute_log_prob(batch, **self.batching.ref.kwargs())
                 self._check_finite("ref", ref_log_prob=batch.ref_log_prob)
             if self.critic is not None:
                 with t("values"):
-                    batch.values = self.critic.compute_values(batch, **mb)
+                    batch.values = self.critic.compute_values(batch, **self.batching.values.kwargs())
                 self._check_finite("values", values=batch.values)
             with t("adv"):
                 if cfg.algorithm.use_kl_in_reward:
@@ -291,28 +294,24 @@ class PPOTrainer:
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
             self._check_finite("adv", rewards=batch.token_level_rewards, advantages=batch.advantages,
                                returns=batch.returns)
-            mini = act.ppo_mini_batch_size * n // self.dp
             if self.critic is not None:
                 c = cfg.critic
                 with t("update_critic"):
                     metrics.update(self.critic.update_critic(
-                        batch, mini_batch_size=mini, ppo_epochs=c.ppo_epochs, cliprange_value=c.cliprange_value,
-                        loss_agg_mode=c.loss_agg_mode, norm_factor=cfg.data.max_response_length,
-                        micro_batch_size=None if c.use_dynamic_bsz else c.ppo_micro_batch_size_per_gpu,
-                        max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None))
+                        batch, mini_batch_size=self.batching.critic_mini_batch * n // self.dp, ppo_epochs=c.ppo_epochs,
+                        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+                        norm_factor=cfg.data.max_response_length, **self.batching.critic.kwargs()))
                 self._check_finite_metrics("update_critic", metrics, "critic/")
                 self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
                     metrics.update(self.actor.update_policy(
-                        batch, mini_batch_size=mini, ppo_epochs=act.ppo_epochs,
+                        batch, mini_batch_size=self.batching.actor_mini_batch * n // self.dp, ppo_epochs=act.ppo_epochs,
                         clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
                         clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
                         clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
                         use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type,
-                        norm_factor=cfg.data.max_response_length,
-                        micro_batch_size=None if act.use_dynamic_bsz else act.ppo_micro_batch_size_per_gpu,
-                        max_token_len=act.ppo_max_token_len_per_gpu if act.use_dynamic_bsz else None))
+                        norm_factor=cfg.data.max_response_length, **self.batching.actor.kwargs()))
                 self._check_finite_metrics("update_actor", metrics, "actor/")
                 self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
@@ -354,9 +353,15 @@ class PPOTrainer:
         sampling = SamplingConfig.from_config(self.cfg.actor_rollout_ref.rollout, self.cfg.data.max_response_length,
                                               validation=True)
         items = [self.val_data[i] for i in range(len(self.val_data))]
+        size = self.cfg.data.val_batch_size or len(items)
         with self.timer("testing"):
-            batch, its = self.rollout(items, sampling, salt=1)
-            scores = self.score(batch, its).sum(-1).view(len(items), sampling.n)
+            # data.val_batch_size prompts per generate call; each prompt's seed depends on its place
+            # in the whole set, so the split does not change what is sampled
+            scores = []
+            for lo in range(0, len(items), size):
+                batch, its = self.rollout(items[lo:lo + size], sampling, salt=1, offset=lo)
+                scores.append(self.score(batch, its).sum(-1))
+            scores = torch.cat(scores).view(len(items), sampling.n)
             # Training rollouts never see validation's cached prompts: a run resumed from the
             # checkpoint of this step (fresh engine, empty cache) then samples exactly as this one.
             self.engine.reset_prefix_cache()
@@ -382,13 +387,13 @@ class PPOTrainer:
         from megappo.checkpoint import save_checkpoint
 
         tr = self.cfg.trainer
-        keep = [k for k in (tr.max_actor_ckpt_to_keep, tr.max_critic_ckpt_to_keep) if k]
+        keep = tr.max_actor_ckpt_to_keep or tr.max_critic_ckpt_to_keep  # equal when both set (validate)
         root = os.path.expanduser(tr.default_local_dir)
         hf = {"actor": os.path.expanduser(self.cfg.actor_rollout_ref.model.path)}
         if self.critic is not None:
             hf["critic"] = os.path.expanduser(self.cfg.critic.model.path)
         return save_checkpoint(root, self.step_no, self._workers(), self.trainer_state(),
-                               max_to_keep=min(keep) if keep else None, per_rank_state=_rng_state(), hf_sources=hf)
+                               max_to_keep=keep, per_rank_state=_rng_state(), hf_sources=hf)
 
     def resume(self) -> Optional[str]:
         """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""

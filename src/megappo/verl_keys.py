@@ -44,6 +44,9 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.optimizer_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
     ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
     ("*.megatron.dist_checkpointing_path", lambda v: None),
+    # the reference is forward-only with loaded weights: no optimizer, no seeded initialisation
+    ("actor_rollout_ref.ref.megatron.use_distributed_optimizer", lambda v: None),
+    ("actor_rollout_ref.ref.megatron.seed", lambda v: None),
     ("actor_rollout_ref.rollout.enable_chunked_prefill", _when(lambda v: not _truthy(v), "warn", "has no effect: vLLM's chunked prefill stays on")),
     ("actor_rollout_ref.rollout.mode", lambda v: None if v == "sync" else ("warn", "runs as sync: megappo generates each step's batch in one call to its colocated engines; single-turn samples are drawn the same way (agent loops are not supported)") if v == "async" else ("error", "must be sync or async")),
     ("actor_rollout_ref.hybrid_engine", _when(lambda v: v is not True, "error", "must be True: megappo always colocates training and rollout (a split placement arrives with issue 7/7)")),

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed"))
@@ -93,10 +94,29 @@ def _grpo_worker(rank, world, model, train, test, run_dir):
                        f"data.val_files=[{test}]", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
                        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true",
                        "algorithm.kl_ctrl.type=adaptive", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
-                       "data.max_response_length=6"], ["tiny_cpu"])
+                       "data.max_response_length=6", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2"],
+                      ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
-    PPOTrainer(cfg).fit(3)
+    trainer = PPOTrainer(cfg)
+    trainer.fit(3)
+    # data.val_batch_size splits validation into several generate calls; sampled validation
+    # gives the same scores (seeds follow each prompt's place in the whole set)
+    whole = trainer.validate()
+    cfg.data.val_batch_size = 7
+    assert trainer.validate() == whole, whole
+    from megappo.rollout import SamplingConfig
+
+    sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, 6, validation=True)
+    items = [trainer.val_data[i] for i in range(20)]
+    one, _ = trainer.rollout(items, sampling, salt=1)
+    parts = [trainer.rollout(items[lo:lo + 7], sampling, salt=1, offset=lo)[0] for lo in range(0, 20, 7)]
+    got = torch.cat([torch.nn.functional.pad(p.responses, (0, one.responses.shape[1] - p.responses.shape[1]))
+                     for p in parts])
+    assert torch.equal(got, one.responses)   # the same samples, drawn in three calls
+    again, _ = trainer.rollout(items, sampling, salt=2)
+    assert not torch.equal(again.responses, one.responses)   # (sampling is really on)
 
 
 @pytest.mark.e2e
@@ -108,7 +128,8 @@ def test_grpo_with_kl_loss_and_kl_in_reward(tmp_path):
     p = make_tiny_setup(str(tmp_path / "tiny"))
     spawn(_grpo_worker, 2, p["model"], p["train"], p["test"], str(tmp_path / "run"))
     rows = read_metrics(tmp_path / "run")
-    assert rows[0] == {"step": 0, VAL: rows[0][VAL]}  # validation before training
+    val2 = VAL.replace("@1", "@2")
+    assert rows[0] == {"step": 0, val2: rows[0][val2], val2.replace("mean", "best"): rows[0][val2.replace("mean", "best")]}
     rows = rows[1:]
     assert len(rows) == 3
     for key in REQUIRED + ["actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"]:

@@ -122,3 +122,26 @@ def test_fit_to_multiple_splits_the_heaviest_group_first():
     # the heavier half of a split group is split again before a lighter group: [1..5] -> [1, 3, 5]
     # (3 tokens) + [2, 4] (2), then [1, 3, 5] -> [1, 5] + [3]; no padding while a group can split
     assert fit_to_multiple([[0], [1, 2, 3, 4, 5]], [1] * 6, 4) == [[0], [1, 5], [3], [2, 4]]
+
+
+def test_each_pass_reads_its_own_keys():
+    """verl's keys per pass: the reference and value passes and the critic's mini-batches have
+    their own settings (they used to follow the rollout's and the actor's)."""
+    from megappo.config import load_config
+    from megappo.workers.batching import MicroBatching, PassBatching
+
+    A, R, F = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
+    cfg = load_config([A + "ppo_micro_batch_size_per_gpu=1", R + "log_prob_micro_batch_size_per_gpu=2",
+                       F + "log_prob_use_dynamic_bsz=true", F + "log_prob_max_token_len_per_gpu=300",
+                       "critic.ppo_micro_batch_size_per_gpu=3", "critic.forward_micro_batch_size_per_gpu=5",
+                       "reward_model.micro_batch_size_per_gpu=6", "data.train_batch_size=8",
+                       A + "ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=2"], ["tiny_cpu"])
+    b = PassBatching.from_config(cfg)
+    assert b.actor == MicroBatching(1, None) and b.old_log_prob == MicroBatching(2, None)
+    assert b.ref == MicroBatching(None, 300) and b.critic == MicroBatching(3, None)
+    assert b.values == MicroBatching(5, None) and b.reward == MicroBatching(6, None)
+    assert (b.actor_mini_batch, b.critic_mini_batch) == (4, 2)
+    assert b.ref.kwargs() == {"micro_batch_size": None, "max_token_len": 300}
+    # unset, they follow verl's references: ref <- rollout, critic forward <- critic ppo
+    d = PassBatching.from_config(load_config([], ["tiny_cpu"]))
+    assert d.ref == d.old_log_prob and d.values == d.critic and d.critic_mini_batch == d.actor_mini_batch

@@ -25,9 +25,12 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from megappo.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ class SamplingConfig:
     seed: Optional[int] = None  # prompt i of a call samples with seeds seed + i*n ... seed + i*n + n-1
 
     @classmethod
-    def from_config(cls, rollout_cfg, max_tokens: int, validation: bool = False) -> "SamplingConfig":
+    def from_config(cls, rollout_cfg: RolloutConfig, max_tokens: int, validation: bool = False) -> "SamplingConfig":
+        """From actor_rollout_ref.rollout (megappo.config.RolloutConfig), or its val_kwargs."""
         src = rollout_cfg.val_kwargs if validation else rollout_cfg
         return cls(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k, do_sample=src.do_sample,
                    max_tokens=max_tokens)

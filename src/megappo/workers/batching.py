@@ -1,6 +1,9 @@
 """Micro-batching: a fixed number of samples, or a token budget (``use_dynamic_bsz``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 __all__ = ["token_budget_groups", "micro_batch_groups", "fit_to_multiple"]
 
 
@@ -86,3 +89,47 @@ def deal_to_dp(lengths: list[int], mini_batch_size: int, dp: int, balance: bool 
         for r in range(dp):
             ranks[r].extend(parts[r])
     return ranks
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one forward or training pass splits a rank's samples: a fixed count per micro-batch,
+    or a token budget (verl's use_dynamic_bsz). ``kwargs()`` feeds the workers' passes."""
+    micro_batch_size: Optional[int] = None
+    max_token_len: Optional[int] = None
+
+    @classmethod
+    def of(cls, dynamic: bool, micro_batch_size: Optional[int], max_token_len: int) -> "MicroBatching":
+        return cls(None, max_token_len) if dynamic else cls(micro_batch_size, None)
+
+    def kwargs(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "max_token_len": self.max_token_len}
+
+
+@dataclass(frozen=True)
+class PassBatching:
+    """Each pass of a step with its own verl keys, resolved once from the config."""
+    old_log_prob: MicroBatching   # actor_rollout_ref.rollout.log_prob_*
+    ref: MicroBatching            # actor_rollout_ref.ref.log_prob_*
+    values: MicroBatching         # critic.forward_* (critic.use_dynamic_bsz)
+    reward: MicroBatching         # reward_model.*
+    actor: MicroBatching          # actor_rollout_ref.actor.ppo_*
+    critic: MicroBatching         # critic.ppo_*
+    actor_mini_batch: int         # prompts per actor mini-batch, global (actor.ppo_mini_batch_size)
+    critic_mini_batch: int        # prompts per critic mini-batch, global (critic.ppo_mini_batch_size)
+
+    @classmethod
+    def from_config(cls, cfg) -> "PassBatching":
+        arr, ro, c, rm = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout, cfg.critic, cfg.reward_model
+        act, ref = arr.actor, arr.ref
+        return cls(
+            old_log_prob=MicroBatching.of(ro.log_prob_use_dynamic_bsz, ro.log_prob_micro_batch_size_per_gpu,
+                                          ro.log_prob_max_token_len_per_gpu),
+            ref=MicroBatching.of(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
+                                 ref.log_prob_max_token_len_per_gpu),
+            values=MicroBatching.of(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu),
+            reward=MicroBatching.of(rm.use_dynamic_bsz, rm.micro_batch_size_per_gpu, rm.forward_max_token_len_per_gpu),
+            actor=MicroBatching.of(act.use_dynamic_bsz, act.ppo_micro_batch_size_per_gpu, act.ppo_max_token_len_per_gpu),
+            critic=MicroBatching.of(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu),
+            actor_mini_batch=act.ppo_mini_batch_size, critic_mini_batch=c.ppo_mini_batch_size,
+        )
