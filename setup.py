@@ -47,6 +47,13 @@ TEST = [
     "pytest-timeout>=2.3",
 ]
 
+# Optional metric sinks (trainer.logger=[...,wandb,mlflow]); mlflow-skinny is MLflow's client
+# without the server (the `mlflow` package works too).
+LOGGERS = [
+    "wandb>=0.19",
+    "mlflow-skinny>=2.16",
+]
+
 setup(
     name="megappo",
     version="0.1.0",
@@ -60,6 +67,6 @@ setup(
     include_package_data=True,
     # Only what `import megappo` and the config/dry-run path need.
     install_requires=["pyyaml>=6"],
-    extras_require={"cpu": CPU, "gpu": GPU, "test": TEST},
+    extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "loggers": LOGGERS},
     entry_points={"console_scripts": ["megappo-train=megappo.train:main"]},
 )

@@ -241,32 +241,18 @@ class PPOTrainer:
             out[torch.tensor(r, dtype=torch.long)] = t
         return out
 
-    # -- the step -------------------------------------------------------------------------
+    # -- the step (DESIGN.md section 2) ------------------------------------------------------
     def step(self, log: bool = True) -> dict:
-        from megappo.metrics import data_metrics
         from megappo.rollout import SamplingConfig
-        from megappo.workers.batching import deal_to_dp
 
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        act, t = arr.actor, self.timer
+        cfg, arr, t = self.cfg, self.cfg.actor_rollout_ref, self.timer
         metrics = {}
         with t("step"):
             items = [self.train_data[i] for i in self.sampler.next_batch()]
             with t("gen"):
                 full, full_items = self.rollout(items, SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length))
             self.engine.sleep()
-            if self.reward_model is None:
-                with t("reward"):
-                    full.token_level_scores = self.score(full, full_items)
-            n = arr.rollout.n
-            lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
-            rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp, cfg.trainer.balance_batch)[self.dp_rank]
-            batch = full.select(rows)
-            if self.reward_model is not None:
-                with t("reward"):
-                    batch.token_level_scores = self.reward_model.compute_scores(batch, **self.batching.reward.kwargs())
-                    full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
-            self._check_finite("reward", scores=full.token_level_scores)
+            batch = self._reward_and_deal(full, full_items)
             with t("old_log_prob"):
                 batch.old_log_prob = self.actor.compute_log_prob(batch, **self.batching.old_log_prob.kwargs())
             self._check_finite("old_log_prob", old_log_prob=batch.old_log_prob)
@@ -280,66 +266,105 @@ class PPOTrainer:
                     batch.values = self.critic.compute_values(batch, **self.batching.values.kwargs())
                 self._check_finite("values", values=batch.values)
             with t("adv"):
-                if cfg.algorithm.use_kl_in_reward:
-                    batch.token_level_rewards, kl_m = algo.apply_kl_in_reward(
-                        batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob, batch.response_mask,
-                        self.kl_ctrl, cfg.algorithm.kl_penalty, dp_group=self.dp_group)
-                    metrics.update(kl_m)
-                else:
-                    batch.token_level_rewards = batch.token_level_scores
-                batch.advantages, batch.returns = algo.compute_advantages(
-                    cfg.algorithm.adv_estimator, token_level_rewards=batch.token_level_rewards,
-                    response_mask=batch.response_mask, values=batch.values, group_index=batch.prompt_index,
-                    gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+                metrics.update(self._advantages(batch))
             self._check_finite("adv", rewards=batch.token_level_rewards, advantages=batch.advantages,
                                returns=batch.returns)
             if self.critic is not None:
-                c = cfg.critic
                 with t("update_critic"):
-                    metrics.update(self.critic.update_critic(
-                        batch, mini_batch_size=self.batching.critic_mini_batch * n // self.dp, ppo_epochs=c.ppo_epochs,
-                        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
-                        norm_factor=cfg.data.max_response_length, **self.batching.critic.kwargs()))
+                    metrics.update(self._update_critic(batch))
                 self._check_finite_metrics("update_critic", metrics, "critic/")
                 self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
-                    metrics.update(self.actor.update_policy(
-                        batch, mini_batch_size=self.batching.actor_mini_batch * n // self.dp, ppo_epochs=act.ppo_epochs,
-                        clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
-                        clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
-                        clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
-                        use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type,
-                        norm_factor=cfg.data.max_response_length, **self.batching.actor.kwargs()))
+                    metrics.update(self._update_actor(batch))
                 self._check_finite_metrics("update_actor", metrics, "actor/")
                 self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
+        metrics = self._step_metrics(metrics, full, batch)
+        if log:
+            self.logger.log(self.step_no, metrics)
+        return metrics
+
+    def _reward_and_deal(self, full: RolloutBatch, full_items: list) -> RolloutBatch:
+        """Score every sample (rule/custom function on the whole batch, or the reward model on
+        this rank's rows) and deal this DP rank its rows, balanced per actor mini-batch."""
+        from megappo.workers.batching import deal_to_dp
+
+        if self.reward_model is None:
+            with self.timer("reward"):
+                full.token_level_scores = self.score(full, full_items)
+        lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
+        n = self.cfg.actor_rollout_ref.rollout.n
+        rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp, self.cfg.trainer.balance_batch)[self.dp_rank]
+        batch = full.select(rows)
+        if self.reward_model is not None:
+            with self.timer("reward"):
+                batch.token_level_scores = self.reward_model.compute_scores(batch, **self.batching.reward.kwargs())
+                full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
+        self._check_finite("reward", scores=full.token_level_scores)
+        return batch
+
+    def _advantages(self, batch: RolloutBatch) -> dict:
+        """Rewards (scores, minus the KL penalty when it is in the reward), then advantages and
+        returns; statistics over the whole batch (every DP rank)."""
+        al, metrics = self.cfg.algorithm, {}
+        if al.use_kl_in_reward:
+            batch.token_level_rewards, metrics = algo.apply_kl_in_reward(
+                batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob, batch.response_mask,
+                self.kl_ctrl, al.kl_penalty, dp_group=self.dp_group)
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        batch.advantages, batch.returns = algo.compute_advantages(
+            al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+            values=batch.values, group_index=batch.prompt_index, gamma=al.gamma, lam=al.lam,
+            norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+        return metrics
+
+    def _update_critic(self, batch: RolloutBatch) -> dict:
+        c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
+        return self.critic.update_critic(
+            batch, mini_batch_size=self.batching.critic_mini_batch * n // self.dp, ppo_epochs=c.ppo_epochs,
+            cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+            norm_factor=self.cfg.data.max_response_length, **self.batching.critic.kwargs())
+
+    def _update_actor(self, batch: RolloutBatch) -> dict:
+        act, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        return self.actor.update_policy(
+            batch, mini_batch_size=self.batching.actor_mini_batch * n // self.dp, ppo_epochs=act.ppo_epochs,
+            clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
+            clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
+            clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
+            use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type,
+            norm_factor=self.cfg.data.max_response_length, **self.batching.actor.kwargs())
+
+    def _step_metrics(self, metrics: dict, full: RolloutBatch, batch: RolloutBatch) -> dict:
+        """The step's batch statistics, timings and throughput; a non-finite one stops the run."""
+        from megappo.metrics import data_metrics
+
+        cfg = self.cfg
         metrics.update(data_metrics(full, cfg.data.max_response_length))  # every rank holds the whole batch
         dealt = data_metrics(batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
         metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
                         or k in ("critic/vf_explained_var", "critic/advantages_returns_corr")})
-        metrics.update(t.pop())
+        metrics.update(self.timer.pop())
         tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
-        metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(self.cfg.trainer.device)
+        metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(cfg.trainer.device)
         # Prompts dropped at load time for exceeding data.max_prompt_length (filter_overlong_prompts).
         metrics["data/filtered_overlong_prompts"] = float(self.train_data.num_filtered)
-        if self.cfg.trainer.device == "cuda" and "timing_s/update_actor" in metrics:
+        if cfg.trainer.device == "cuda" and "timing_s/update_actor" in metrics:
             from megappo.metrics import mfu, peak_flops
 
             peak = peak_flops(torch.cuda.get_device_name())
             if peak:
-                metrics["perf/mfu/actor"] = mfu(self._actor_params(), tokens * act.ppo_epochs,
+                metrics["perf/mfu/actor"] = mfu(self._actor_params(), tokens * cfg.actor_rollout_ref.actor.ppo_epochs,
                                                 metrics["timing_s/update_actor"], self.world, peak)
         metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
         for k, v in metrics.items():
             if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
                 raise FloatingPointError(f"step {self.step_no}: metric {k} is {v}; stopping before anything is saved")
-        if log:
-            self.logger.log(self.step_no, metrics)
         return metrics
 
     # -- validation, checkpoints, the loop ---------------------------------------------------

@@ -110,3 +110,11 @@ def test_the_check_sees_a_key_nothing_reads(tmp_path, monkeypatch):
     keys = C.all_keys()
     assert "trainer.nobody_reads_me" in keys
     assert "trainer.nobody_reads_me" not in program_reads()
+
+
+def test_the_step_reads_like_the_algorithm():
+    """PPOTrainer.step stays short enough to read as DESIGN.md's data flow (issue 3/7: <= 60
+    lines); the stages live in their own methods."""
+    tree = ast.parse((SRC / "trainer.py").read_text())
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 60
