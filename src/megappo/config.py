@@ -288,6 +288,7 @@ class TrainerConfig:
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many checkpoints (actor and critic are saved together as one step); null keeps all.")
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "The same count (verl's critic key); when both are set they must be equal.")
+    log_level: Literal["debug", "info", "warning", "error"] = _f("warning", "Level of vLLM's and megatron-core's loggers; at warning their per-step INFO lines (weight reloads, cache resets) are hidden and the console shows one line per step.")
     dist_timeout_s: int = _f(1800, "Seconds a rank waits in start-up or in a collective before failing (a dead or hung peer).")
 
 

@@ -42,6 +42,17 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
     return process_device(cfg.trainer.device)
 
 
+def set_library_log_level(level: str) -> None:
+    """vLLM's and megatron-core's loggers at ``level`` (trainer.log_level). vLLM configures its
+    logger from VLLM_LOGGING_LEVEL when first imported (a user's own setting wins); later
+    changes go through the logger objects."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+    for name in ("vllm", "megatron"):
+        logging.getLogger(name).setLevel(level.upper())
+
+
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from megatron.core import parallel_state as ps
@@ -58,6 +69,7 @@ class PPOTrainer:
 
         self.cfg = cfg
         arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+        set_library_log_level(tr.log_level)
         self.batching = PassBatching.from_config(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lay = parallel_layout(cfg, self.world)

@@ -84,6 +84,10 @@ def test_tiny_cpu_main_job(tmp_path):
     assert set(MAIN_JOB + [VAL]) <= tags, sorted(set(MAIN_JOB + [VAL]) - tags)
     assert len(ea.Scalars("critic/score/mean")) == 60
     assert "step [60/60]" in p.stdout
+    # the console: one line per step; vLLM's per-step INFO lines (weight reloads, prefix-cache
+    # resets) are hidden at the default trainer.log_level=warning
+    after = (p.stdout + p.stderr).split("step [1/60]", 1)[1]
+    assert " INFO " not in after, [line for line in after.splitlines() if " INFO " in line][:5]
 
 
 def _grpo_worker(rank, world, model, train, test, run_dir):
