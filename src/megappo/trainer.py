@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.config import MegatronConfig, PPOConfig, RefMegatronConfig, critic_enabled, parallel_layout, to_dict
+from megappo.config import PPOConfig, parallel_layout, to_dict
 from megappo.workers.batching import PassBatching
 
 __all__ = ["PPOTrainer", "init_distributed"]
@@ -58,14 +58,11 @@ class PPOTrainer:
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
 
-        from megappo.convert.hf_io import Layout, load_hf_weights
+        from megappo import builders
         from megappo.data import PromptDataset, PromptSampler
         from megappo.distributed import host_dp_group, process_device
         from megappo.metrics import MetricsLogger, Timer
-        from megappo.models import build_model, describe, load_hf_config, transformer_config
         from megappo.rewards import load_custom_reward
-        from megappo.rollout import VLLMRollout
-        from megappo.workers import Actor, Critic
 
         self.cfg = cfg
         arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
@@ -78,11 +75,7 @@ class PPOTrainer:
         self.dp_group = host_dp_group()
         self.device = process_device(tr.device)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        m = arr.actor.megatron
-        cpu = tr.device == "cpu"
-        dtype = torch.float32 if cpu else torch.bfloat16
-        path = os.path.expanduser(arr.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(arr.model.path))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Data and the reward function first: a bad row or a broken reward file is reported in
         # seconds, before vLLM starts and the models are built.
@@ -92,64 +85,12 @@ class PPOTrainer:
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
         self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
         self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
-
-        # Rollout engine first: vLLM's start-up reseeds RNGs (restored by the wrapper) and
-        # under the external launcher every rank must construct it at the same point.
-        engines = {"vllm": VLLMRollout}  # actor_rollout_ref.rollout.name (validated: vllm only today)
-        self.engine = engines[arr.rollout.name](
-            path, device=tr.device, tensor_parallel_size=arr.rollout.tensor_model_parallel_size,
-            dtype="float32" if cpu else arr.rollout.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
-            max_num_seqs=arr.rollout.max_num_seqs, max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
-            gpu_memory_utilization=arr.rollout.gpu_memory_utilization, enforce_eager=arr.rollout.enforce_eager,
-            free_cache_engine=arr.rollout.free_cache_engine, seed=m.seed)
-
-        def build(value_head: bool, model_path: str, mc: MegatronConfig | RefMegatronConfig):
-            """One role's model from its HF folder and its megatron section ``mc`` (the layout
-            equals the actor's, validated; sequence parallelism and the seed are the role's)."""
-            info = describe(load_hf_config(model_path), tp=mc.tensor_model_parallel_size, value_head=value_head)
-            tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
-                                      vpp=mc.virtual_pipeline_model_parallel_size,
-                                      sequence_parallel=mc.sequence_parallel, params_dtype=dtype,
-                                      cpu=self.device.type == "cpu")
-            seed = m.seed if isinstance(mc, RefMegatronConfig) else mc.seed  # the reference's weights are all loaded
-            chunks = build_model(info, tcfg, value_head=value_head, seed=seed,
-                                 value_head_std=cfg.critic.model.value_head_init_std)
-            load_hf_weights(chunks, model_path, info.desc, Layout.from_megatron())
-            return info, tcfg, chunks
-
         total = self.total_steps()
-        o = arr.actor.optim
-        warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
-        self.info, tcfg, chunks = build(False, path, m)
-        self.actor = Actor(chunks, tcfg, device=self.device, vocab_size=self.info.desc.vocab_size, lr=o.lr, weight_decay=o.weight_decay,
-                           clip_grad=o.clip_grad, betas=tuple(o.betas), use_distributed_optimizer=m.use_distributed_optimizer,
-                           pad_token_id=self.pad_id, lr_warmup_steps=warm, lr_decay_steps=total,
-                           lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
-        self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = None
-        if self.use_ref:
-            _, rcfg, rchunks = build(False, path, arr.ref.megatron)
-            self.ref = Actor(rchunks, rcfg, device=self.device, vocab_size=self.info.desc.vocab_size,
-                             pad_token_id=self.pad_id)
-        self.critic = None
-        if critic_enabled(cfg):
-            co = cfg.critic.optim
-            cwarm = co.lr_warmup_steps if co.lr_warmup_steps >= 0 else int(co.lr_warmup_steps_ratio * total)
-            cm = cfg.critic.megatron
-            _, ccfg, cchunks = build(True, os.path.expanduser(cfg.critic.model.path), cm)
-            self.critic = Critic(cchunks, ccfg, device=self.device, lr=co.lr, weight_decay=co.weight_decay, clip_grad=co.clip_grad,
-                                 betas=tuple(co.betas), use_distributed_optimizer=cm.use_distributed_optimizer,
-                                 pad_token_id=self.pad_id, lr_warmup_steps=cwarm, lr_decay_steps=total,
-                                 lr_decay_style=co.lr_decay_style, min_lr=co.min_lr)
-        self.reward_model = None
-        if cfg.reward_model.enable:
-            from megappo.workers import RewardModel
-
-            rm_info, rmcfg, rmchunks = build(True, os.path.expanduser(cfg.reward_model.model.path), cfg.critic.megatron)
-            if rm_info.desc.vocab_size < len(self.tokenizer):
-                raise ValueError(f"reward_model.model.path: its vocabulary ({rm_info.desc.vocab_size}) is smaller than "
-                                 f"the actor tokenizer's ({len(self.tokenizer)}); the reward model must share it")
-            self.reward_model = RewardModel(rmchunks, rmcfg, device=self.device, pad_token_id=self.pad_id)
+        self.engine = builders.build_engine(cfg)   # first: see megappo.builders
+        self.info, self.actor = builders.build_actor(cfg, self.device, self.pad_id, total)
+        self.ref = builders.build_reference(cfg, self.device, self.pad_id)
+        self.critic = builders.build_critic(cfg, self.device, self.pad_id, total)
+        self.reward_model = builders.build_reward_model(cfg, self.device, self.pad_id, self.tokenizer)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
                                                 "horizon": k.horizon})

@@ -1,0 +1,111 @@
+"""Builders: each component of a run from its config section (DESIGN.md section 4).
+
+The trainer calls them in a fixed order: the rollout engine first (vLLM's start-up reseeds
+RNGs, and under the external launcher every rank must construct it at the same point), then the
+actor, the reference, the critic and the reward model. Each returns None when the run does not
+need it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megappo.config import MegatronConfig, OptimConfig, PPOConfig, RefMegatronConfig, critic_enabled
+
+
+def build_engine(cfg: PPOConfig):
+    """The rollout engine (actor_rollout_ref.rollout), loaded with dummy weights: the first
+    weight sync fills them from the actor."""
+    from megappo.rollout import VLLMRollout
+
+    arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    ro = arr.rollout
+    engines = {"vllm": VLLMRollout}  # rollout.name (validated: vllm only today)
+    return engines[ro.name](
+        os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
+        dtype="float32" if tr.device == "cpu" else ro.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
+        max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
+        gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager,
+        free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed)
+
+
+def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,
+                device: torch.device):
+    """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
+    equals the actor's, validated; sequence parallelism and the seed are the role's).
+    Returns (HFModelInfo, TransformerConfig, model chunks)."""
+    from megappo.convert.hf_io import Layout, load_hf_weights
+    from megappo.models import build_model as build_chunks
+    from megappo.models import describe, load_hf_config, transformer_config
+
+    path = os.path.expanduser(model_path)
+    info = describe(load_hf_config(path), tp=mc.tensor_model_parallel_size, value_head=value_head)
+    tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
+                              vpp=mc.virtual_pipeline_model_parallel_size, sequence_parallel=mc.sequence_parallel,
+                              params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,
+                              cpu=device.type == "cpu")
+    # the reference has no seed of its own: all its weights are loaded
+    seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
+    chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
+                          value_head_std=cfg.critic.model.value_head_init_std)
+    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
+    return info, tcfg, chunks
+
+
+def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool) -> dict:
+    """A worker's optimizer and schedule settings from its optim section."""
+    warm = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total_steps)
+    return dict(lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, betas=tuple(o.betas),
+                use_distributed_optimizer=use_distributed_optimizer, lr_warmup_steps=warm,
+                lr_decay_steps=total_steps, lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
+
+
+def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: int):
+    """(HFModelInfo, Actor) of the policy (actor_rollout_ref.model, .actor)."""
+    from megappo.workers import Actor
+
+    arr = cfg.actor_rollout_ref
+    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device)
+    actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
+                  **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
+    return info, actor
+
+
+def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int):
+    """The frozen reference policy, when a KL term needs it (actor.use_kl_loss or
+    algorithm.use_kl_in_reward); else None."""
+    from megappo.workers import Actor
+
+    arr = cfg.actor_rollout_ref
+    if not (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        return None
+    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device)
+    return Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
+
+
+def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: int):
+    """The critic (critic.*) when the estimator needs one (or critic.enable); else None."""
+    from megappo.workers import Critic
+
+    if not critic_enabled(cfg):
+        return None
+    c = cfg.critic
+    _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device)
+    return Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
+                  **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
+
+
+def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokenizer) -> Optional[object]:
+    """The reward model (reward_model.enable, .model.path) on the critic's layout; else None."""
+    from megappo.workers import RewardModel
+
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    info, tcfg, chunks = build_model(cfg, rm.model.path, cfg.critic.megatron, value_head=True, device=device)
+    if info.desc.vocab_size < len(tokenizer):
+        raise ValueError(f"reward_model.model.path: its vocabulary ({info.desc.vocab_size}) is smaller than "
+                         f"the actor tokenizer's ({len(tokenizer)}); the reward model must share it")
+    return RewardModel(chunks, tcfg, device=device, pad_token_id=pad_id)
