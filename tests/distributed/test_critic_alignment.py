@@ -46,6 +46,9 @@ def _worker(rank, world, root, out_file):
     std = CriticModelConfig().value_head_init_std
     _, fcfg, fchunks = build(os.path.join(root, "causal"), 1, 1, value_head=True, value_head_std=std)
     fresh = Critic(fchunks, fcfg, lr=1e-3)
+    # torch's multi-tensor Adam (its per-parameter loop is the default off CUDA, and slow)
+    opts = getattr(fresh.optimizer, "chained_optimizers", [fresh.optimizer])
+    assert all(g["foreach"] is True for o in opts for g in o.optimizer.param_groups)
     batch.returns = TARGET * batch.response_mask
     fit = []
     for _ in range(25):

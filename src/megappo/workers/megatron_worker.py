@@ -80,6 +80,7 @@ class MegatronWorker:
                                 adam_beta1=betas[0], adam_beta2=betas[1], bf16=config.bf16, fp16=config.fp16,
                                 params_dtype=config.params_dtype, use_distributed_optimizer=use_distributed_optimizer),
                 self.model)
+            _use_foreach(self.optimizer)
             # Stepped once per PPO step (update_policy / update_critic call), as verl does: linear
             # warm-up from 0 over lr_warmup_steps, then constant / linear / cosine to min_lr.
             from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -328,3 +329,15 @@ class RewardModel(Critic):
             tls.scatter_(1, (n - 1).clamp(min=0)[:, None], score)
             return tls * mb.response_mask.to(tls.device)
         return self._forward(batch, micro_batch_size, max_token_len, per_sample)
+
+
+def _use_foreach(optimizer) -> None:
+    """torch's Adam/SGD pick their per-tensor loop unless parameters are on CUDA; the foreach
+    (multi-tensor) form computes the same update in a few kernels instead of ~10 per parameter
+    (on CPU, 4.6 ms -> well under 1 ms per step of a tiny model). Megatron builds torch's
+    optimizers when TransformerEngine/apex are absent; TE's fused optimizers have no such key."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+            for group in inner.param_groups:
+                group["foreach"] = True
