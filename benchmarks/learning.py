@@ -12,8 +12,9 @@ Methods (tuned settings each; see MEGAPPO and TRL_ARGS):
          mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
   gae    megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
   grpo   megappo GRPO (no critic), n=8
-  trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv
-         (bash benchmarks/setup_trl.sh); skipped, saying so, when that venv is missing
+  trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv, which a full
+         run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV to put it elsewhere);
+         --quick skips TRL, saying so, when the venv is missing
 
 Each megappo run is one process (`python -m megappo.train`, world size 1). Prints the curves as a
 table and ends with one JSON line: per task and method, the samples and seconds to the task's
@@ -67,11 +68,7 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
             "data.max_prompt_length=16", f"data.max_response_length={spec['response']}", f"data.seed={seed}",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
-            # one process (DP=1): the distributed optimizer has nothing to shard and its copies
-            # cost ~30% of each update on these tiny models
-            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
-            "critic.megatron.use_distributed_optimizer=false", *MEGAPPO[method], *extra]
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method], *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     t0 = time.time()
     p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(out))
@@ -148,6 +145,10 @@ def main(argv=None) -> int:
         paths = make_tiny_setup(str(out / f"setup_{task}"), task=task, n_train=2048, seed=args.seed)
         for method in args.methods.split(","):
             if method == "trl":
+                if trl_python() is None and not args.quick:
+                    # TRL lives in a venv of its own (never in megappo's dependencies)
+                    print("  installing TRL 1.12 into its own venv: bash benchmarks/setup_trl.sh", flush=True)
+                    subprocess.run(["bash", str(ROOT / "benchmarks" / "setup_trl.sh")], check=False)
                 if trl_python() is None:
                     print(f"  {task}/trl: skipped: no TRL venv (bash benchmarks/setup_trl.sh)", flush=True)
                     continue
