@@ -182,7 +182,7 @@ def _planted_worker(rank, world, path):
     assert torch.allclose(host, on_dev.cpu())
 
     # 3. the critic's value head created on the CPU: the worker names it at construction ...
-    def head_on_cpu(self, config, seed):
+    def head_on_cpu(self, config, seed, std=0.0):
         torch.nn.Module.__init__(self)
         self.config, self.sequence_parallel = config, bool(config.sequence_parallel)
         self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size))
