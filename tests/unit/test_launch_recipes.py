@@ -111,3 +111,15 @@ def test_ray_launcher_rejects_a_bad_config_before_starting_ray(capsys):
         launcher.main(["--nnodes", "2", "--nproc-per-node", "2", "--", "--config", "tiny_cpu"])  # 1 node x 2
     assert e.value.code == 2
     assert "trainer.nnodes x trainer.n_gpus_per_node = 2" in capsys.readouterr().err
+
+
+def test_ray_launcher_names_a_killed_rank_before_its_peers_errors():
+    """Under load the killed rank's actor sees it die after its peer has already reported the
+    broken connection: the signal death is still the cause (CI saw the peer named instead)."""
+    from megappo.launch.ray import sort_failures
+
+    peer = {"rank": 0, "code": 1, "time": 100.0, "error": "Connection reset by peer"}
+    killed = {"rank": 1, "code": -9, "time": 100.4, "error": ""}
+    assert [o["rank"] for o in sort_failures([peer, killed])] == [1, 0]
+    first = {"rank": 2, "code": 1, "time": 99.0, "error": "ValueError"}
+    assert [o["rank"] for o in sort_failures([peer, first])] == [2, 0]   # else the earliest

@@ -170,6 +170,14 @@ def _outcome(ray, ref, rank: int) -> dict:
     return out
 
 
+def sort_failures(failed: list[dict]) -> list[dict]:
+    """Failed ranks, the cause first. A rank killed by a signal is the cause and its peers'
+    collective errors the consequence, even when a peer's own report carries the earlier time
+    (the killed rank's time is when its actor saw it die: later under load); otherwise the
+    earliest failure."""
+    return sorted(failed, key=lambda o: (o["code"] >= 0, o["time"]))
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -230,8 +238,7 @@ def main(argv=None) -> int:
                 # The other ranks fail moments later in collectives with the rank that left, and
                 # may be reaped first: collect them briefly and name the earliest failure.
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
-                failed = [first] + [o for o in (_outcome(ray, r, refs[r]) for r in more) if o["code"] != 0]
-                failed.sort(key=lambda o: o["time"])
+                failed = sort_failures([first] + [o for o in (_outcome(ray, r, refs[r]) for r in more) if o["code"] != 0])
                 cause = failed[0]
                 print(f"megappo ray: rank {cause['rank']} {cause['why']}"
                       f"{': ' + cause['error'] if cause['error'] else ''}; stopping the other "
