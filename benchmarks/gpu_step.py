@@ -223,12 +223,12 @@ def parity(a, info, actor, cfg, device, dtype) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
 
     hf_device = device if torch.cuda.is_available() and device.type == "cuda" else torch.device("cpu")
     with torch.device(hf_device):  # random init straight on the GPU (its weights are overwritten below)
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    sd = {n: t for n, t in iter_hf_tensors(actor.chunks, info.desc, Layout.from_megatron())}
+    sd = {n: t for n, t in iter_hf_tensors(actor.chunks, info.desc, RankCoords.from_megatron())}
     res = hf.load_state_dict(sd, strict=False)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     assert not res.unexpected_keys and set(res.missing_keys) <= tied, res

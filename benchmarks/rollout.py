@@ -158,7 +158,7 @@ def bench_generation(path, prompts, n, max_tokens, eager=True):
 def _sync_worker(rank, world, path, out_file):
     from mcore import build, setup
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
     from megappo.rollout import VLLMRollout
 
     setup(2, 2)
@@ -166,9 +166,9 @@ def _sync_worker(rank, world, path, out_file):
     info, cfg, chunks = build(path, 2, 2)
     eng = VLLMRollout(path, device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8,
                       max_num_batched_tokens=512, kv_cache_memory_bytes=32 << 20)
-    layout = Layout.from_megatron()
-    shared = plan_shared_gather(chunks, info.desc, layout)  # what the trainer uses on one host
-    exported = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, info.desc, layout)]
+    coords = RankCoords.from_megatron()
+    shared = plan_shared_gather(chunks, info.desc, coords)  # what the trainer uses on one host
+    exported = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, info.desc, coords)]
 
     def drain(it):
         for _ in it:
@@ -176,13 +176,13 @@ def _sync_worker(rank, world, path, out_file):
 
     stats = {}
     cases = {
-        "sync_s": lambda: stats.update(eng.sync_weights(iter_hf_tensors(chunks, info.desc, layout, shared=shared))),
+        "sync_s": lambda: stats.update(eng.sync_weights(iter_hf_tensors(chunks, info.desc, coords, shared=shared))),
         # the floor: every engine reloads the same HF tensors, already in memory, at the same time
         "floor_s": lambda: eng.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": exported}),
-        "gather_s": lambda: drain(iter_hf_tensors(chunks, info.desc, layout, shared=shared)),
+        "gather_s": lambda: drain(iter_hf_tensors(chunks, info.desc, coords, shared=shared)),
         # the same with per-tensor collectives (TP all-gather + PP broadcast over gloo)
-        "sync_coll_s": lambda: eng.sync_weights(iter_hf_tensors(chunks, info.desc, layout)),
-        "gather_coll_s": lambda: drain(iter_hf_tensors(chunks, info.desc, layout)),
+        "sync_coll_s": lambda: eng.sync_weights(iter_hf_tensors(chunks, info.desc, coords)),
+        "gather_coll_s": lambda: drain(iter_hf_tensors(chunks, info.desc, coords)),
     }
     times = {k: [] for k in cases}
     for _ in range(5):  # interleaved, so that drifts of the machine hit every case alike

@@ -36,7 +36,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
     equals the actor's, validated; sequence parallelism and the seed are the role's).
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
-    from megappo.convert.hf_io import Layout, load_hf_weights
+    from megappo.convert.hf_io import RankCoords, load_hf_weights
     from megappo.models import build_model as build_chunks
     from megappo.models import describe, load_hf_config, transformer_config
 
@@ -50,7 +50,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
                           value_head_std=cfg.critic.model.value_head_init_std)
-    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
+    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, tcfg, chunks
 
 
@@ -109,3 +109,19 @@ def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokeni
         raise ValueError(f"reward_model.model.path: its vocabulary ({info.desc.vocab_size}) is smaller than "
                          f"the actor tokenizer's ({len(tokenizer)}); the reward model must share it")
     return RewardModel(chunks, tcfg, device=device, pad_token_id=pad_id)
+
+
+def loss_specs(cfg: PPOConfig):
+    """(PolicyLossSpec, ValueLossSpec): the actor's and the critic's loss settings, resolved once.
+    A null clip_ratio_low/high falls back to clip_ratio (verl); seq-mean-token-sum-norm divides
+    by data.max_response_length."""
+    from megappo import algo
+
+    act, c, norm = cfg.actor_rollout_ref.actor, cfg.critic, cfg.data.max_response_length
+    policy = algo.PolicyLossSpec(
+        clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
+        clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
+        clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
+        use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type, norm_factor=norm)
+    value = algo.ValueLossSpec(cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, norm_factor=norm)
+    return policy, value

@@ -1,7 +1,7 @@
 """Checkpoints: megatron dist_checkpointing of workers (model + optimizer + LR schedule, loadable
 under another TP/PP) and the trainer's own state, published atomically.
 
-Layout under ``root``::
+Files under ``root``::
 
     global_step_N/actor/         dist_checkpointing folder (+ huggingface/: source config, tokenizer)
     global_step_N/critic/        (when the run has a critic)
@@ -184,10 +184,6 @@ def copy_hf_files(src: str, dst: str) -> None:
     for name in HF_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
-
-
-def _is_rank(r: int) -> bool:
-    return (dist.get_rank() if dist.is_initialized() else 0) == r
 
 
 def _all_gather_str(msg: str) -> list[str]:

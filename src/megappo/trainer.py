@@ -68,8 +68,9 @@ class PPOTrainer:
         arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
         set_library_log_level(tr.log_level)
         self.batching = PassBatching.from_config(cfg)
+        self.policy_loss, self.value_loss = builders.loss_specs(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.lay = parallel_layout(cfg, self.world)
+        self.layout = parallel_layout(cfg, self.world)
         # Host-side collectives over DP (advantages, KL controller, metrics) carry CPU tensors of
         # the batch the trainer keeps on the host: they use megatron's gloo DP group.
         self.dp_group = host_dp_group()
@@ -116,12 +117,12 @@ class PPOTrainer:
         return max(1, per_epoch * self.cfg.trainer.total_epochs)
 
     def sync_weights(self) -> dict:
-        from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
+        from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
 
-        layout = Layout.from_megatron()
+        coords = RankCoords.from_megatron()
         if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
-            self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, layout)
-        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, layout,
+            self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, coords)
+        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, coords,
                                                         shared=self._shared_gather))
 
     def rollout(self, items, sampling, salt: int = 0, offset: int = 0) -> tuple[RolloutBatch, list]:
@@ -203,106 +204,109 @@ class PPOTrainer:
         with t("step"):
             items = [self.train_data[i] for i in self.sampler.next_batch()]
             with t("gen"):
-                full, full_items = self.rollout(items, SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length))
+                sampling = SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length)
+                global_batch, global_items = self.rollout(items, sampling)
             self.engine.sleep()
-            batch = self._reward_and_deal(full, full_items)
+            local_batch = self._reward_and_deal(global_batch, global_items)
             with t("old_log_prob"):
-                batch.old_log_prob = self.actor.compute_log_prob(batch, **self.batching.old_log_prob.kwargs())
-            self._check_finite("old_log_prob", old_log_prob=batch.old_log_prob)
-            metrics.update(algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask))
+                local_batch.old_log_prob = self.actor.compute_log_prob(local_batch,
+                                                                       **self.batching.old_log_prob.kwargs())
+            self._check_finite("old_log_prob", old_log_prob=local_batch.old_log_prob)
+            metrics.update(algo.rollout_probs_diff(local_batch.rollout_log_probs, local_batch.old_log_prob,
+                                                   local_batch.response_mask))
             if self.ref is not None:
                 with t("ref"):
-                    batch.ref_log_prob = self.ref.compute_log_prob(batch, **self.batching.ref.kwargs())
-                self._check_finite("ref", ref_log_prob=batch.ref_log_prob)
+                    local_batch.ref_log_prob = self.ref.compute_log_prob(local_batch, **self.batching.ref.kwargs())
+                self._check_finite("ref", ref_log_prob=local_batch.ref_log_prob)
             if self.critic is not None:
                 with t("values"):
-                    batch.values = self.critic.compute_values(batch, **self.batching.values.kwargs())
-                self._check_finite("values", values=batch.values)
+                    local_batch.values = self.critic.compute_values(local_batch, **self.batching.values.kwargs())
+                self._check_finite("values", values=local_batch.values)
             with t("adv"):
-                metrics.update(self._advantages(batch))
-            self._check_finite("adv", rewards=batch.token_level_rewards, advantages=batch.advantages,
-                               returns=batch.returns)
+                metrics.update(self._advantages(local_batch))
+            self._check_finite("adv", rewards=local_batch.token_level_rewards, advantages=local_batch.advantages,
+                               returns=local_batch.returns)
             if self.critic is not None:
                 with t("update_critic"):
-                    metrics.update(self._update_critic(batch))
+                    metrics.update(self._update_critic(local_batch))
                 self._check_finite_metrics("update_critic", metrics, "critic/")
                 self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
-                    metrics.update(self._update_actor(batch))
+                    metrics.update(self._update_actor(local_batch))
                 self._check_finite_metrics("update_actor", metrics, "actor/")
                 self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
-        metrics = self._step_metrics(metrics, full, batch)
+        metrics = self._step_metrics(metrics, global_batch, local_batch)
         if log:
             self.logger.log(self.step_no, metrics)
         return metrics
 
-    def _reward_and_deal(self, full: RolloutBatch, full_items: list) -> RolloutBatch:
-        """Score every sample (rule/custom function on the whole batch, or the reward model on
-        this rank's rows) and deal this DP rank its rows, balanced per actor mini-batch."""
+    def _reward_and_deal(self, global_batch: RolloutBatch, global_items: list) -> RolloutBatch:
+        """Score every sample (rule/custom function on the whole local_batch, or the reward model on
+        this rank's rows) and deal this DP rank its rows, balanced per actor mini-local_batch."""
         from megappo.workers.batching import deal_to_dp
 
         if self.reward_model is None:
             with self.timer("reward"):
-                full.token_level_scores = self.score(full, full_items)
-        lengths = (full.prompt_lengths + full.response_mask.sum(-1).long()).tolist()
+                global_batch.token_level_scores = self.score(global_batch, global_items)
+        lengths = (global_batch.prompt_lengths + global_batch.response_mask.sum(-1).long()).tolist()
         n = self.cfg.actor_rollout_ref.rollout.n
-        rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp, self.cfg.trainer.balance_batch)[self.dp_rank]
-        batch = full.select(rows)
+        rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp,
+                          self.cfg.trainer.balance_batch)[self.dp_rank]
+        local_batch = global_batch.select(rows)
         if self.reward_model is not None:
             with self.timer("reward"):
-                batch.token_level_scores = self.reward_model.compute_scores(batch, **self.batching.reward.kwargs())
-                full.token_level_scores = self._assemble_rows(batch.token_level_scores, rows, len(full))
-        self._check_finite("reward", scores=full.token_level_scores)
-        return batch
+                local_batch.token_level_scores = self.reward_model.compute_scores(
+                    local_batch, **self.batching.reward.kwargs())
+                global_batch.token_level_scores = self._assemble_rows(local_batch.token_level_scores, rows,
+                                                                      len(global_batch))
+        self._check_finite("reward", scores=global_batch.token_level_scores)
+        return local_batch
 
-    def _advantages(self, batch: RolloutBatch) -> dict:
+    def _advantages(self, local_batch: RolloutBatch) -> dict:
         """Rewards (scores, minus the KL penalty when it is in the reward), then advantages and
-        returns; statistics over the whole batch (every DP rank)."""
+        returns; statistics over the global batch (every DP rank)."""
         al, metrics = self.cfg.algorithm, {}
         if al.use_kl_in_reward:
-            batch.token_level_rewards, metrics = algo.apply_kl_in_reward(
-                batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob, batch.response_mask,
-                self.kl_ctrl, al.kl_penalty, dp_group=self.dp_group)
+            local_batch.token_level_rewards, metrics = algo.apply_kl_in_reward(
+                local_batch.token_level_scores, local_batch.old_log_prob, local_batch.ref_log_prob,
+                local_batch.response_mask, self.kl_ctrl, al.kl_penalty, dp_group=self.dp_group)
         else:
-            batch.token_level_rewards = batch.token_level_scores
-        batch.advantages, batch.returns = algo.compute_advantages(
-            al.adv_estimator, token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-            values=batch.values, group_index=batch.prompt_index, gamma=al.gamma, lam=al.lam,
-            norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+            local_batch.token_level_rewards = local_batch.token_level_scores
+        local_batch.advantages, local_batch.returns = algo.compute_advantages(
+            al.adv_estimator, token_level_rewards=local_batch.token_level_rewards,
+            response_mask=local_batch.response_mask, values=local_batch.values, group_index=local_batch.prompt_index,
+            gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
         return metrics
 
-    def _update_critic(self, batch: RolloutBatch) -> dict:
-        c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
-        return self.critic.update_critic(
-            batch, mini_batch_size=self.batching.critic_mini_batch * n // self.dp, ppo_epochs=c.ppo_epochs,
-            cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
-            norm_factor=self.cfg.data.max_response_length, **self.batching.critic.kwargs())
+    def _update_critic(self, local_batch: RolloutBatch) -> dict:
+        return self.critic.update_critic(local_batch, mini_batch_size=self._per_rank(self.batching.critic_mini_batch),
+                                         ppo_epochs=self.cfg.critic.ppo_epochs, loss=self.value_loss,
+                                         **self.batching.critic.kwargs())
 
-    def _update_actor(self, batch: RolloutBatch) -> dict:
-        act, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        return self.actor.update_policy(
-            batch, mini_batch_size=self.batching.actor_mini_batch * n // self.dp, ppo_epochs=act.ppo_epochs,
-            clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
-            clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
-            clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
-            use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type,
-            norm_factor=self.cfg.data.max_response_length, **self.batching.actor.kwargs())
+    def _update_actor(self, local_batch: RolloutBatch) -> dict:
+        return self.actor.update_policy(local_batch, mini_batch_size=self._per_rank(self.batching.actor_mini_batch),
+                                        ppo_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs, loss=self.policy_loss,
+                                        **self.batching.actor.kwargs())
 
-    def _step_metrics(self, metrics: dict, full: RolloutBatch, batch: RolloutBatch) -> dict:
-        """The step's batch statistics, timings and throughput; a non-finite one stops the run."""
+    def _per_rank(self, prompts: int) -> int:
+        """Samples of a mini-batch of ``prompts`` prompts on one DP rank."""
+        return prompts * self.cfg.actor_rollout_ref.rollout.n // self.dp
+
+    def _step_metrics(self, metrics: dict, global_batch: RolloutBatch, local_batch: RolloutBatch) -> dict:
+        """The step's local_batch statistics, timings and throughput; a non-finite one stops the run."""
         from megappo.metrics import data_metrics
 
         cfg = self.cfg
-        metrics.update(data_metrics(full, cfg.data.max_response_length))  # every rank holds the whole batch
-        dealt = data_metrics(batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
+        metrics.update(data_metrics(global_batch, cfg.data.max_response_length))  # every rank holds the global batch
+        dealt = data_metrics(local_batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
         metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
                         or k in ("critic/vf_explained_var", "critic/advantages_returns_corr")})
         metrics.update(self.timer.pop())
-        tokens = float(full.response_mask.sum() + full.prompt_lengths.sum())
+        tokens = float(global_batch.response_mask.sum() + global_batch.prompt_lengths.sum())
         metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
         metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(cfg.trainer.device)
         # Prompts dropped at load time for exceeding data.max_prompt_length (filter_overlong_prompts).
@@ -358,7 +362,7 @@ class PPOTrainer:
 
     def trainer_state(self) -> dict:
         return {"data": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "world_size": self.world, "layout": dataclasses.asdict(self.lay)}
+                "world_size": self.world, "layout": dataclasses.asdict(self.layout)}
 
     def save(self) -> str:
         """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically."""

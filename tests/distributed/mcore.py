@@ -16,7 +16,7 @@ def setup(tp, pp, vpp=None, seed=7):
 def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_head_std=None):
     """A critic gets a random head (std 1/sqrt(hidden + 1) unless given) so that tests of its
     alignment and gradients see non-zero values; the trainer's default head starts at zero."""
-    from megappo.convert.hf_io import Layout, load_hf_weights
+    from megappo.convert.hf_io import RankCoords, load_hf_weights
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     info = describe(load_hf_config(path), tp=tp, value_head=value_head)
@@ -24,7 +24,7 @@ def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_hea
     if value_head_std is None:
         value_head_std = (info.desc.hidden_size + 1) ** -0.5
     chunks = build_model(info, cfg, value_head=value_head, value_head_std=value_head_std)
-    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
+    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, cfg, chunks
 
 

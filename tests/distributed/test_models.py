@@ -71,7 +71,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
 
     # HF -> Megatron (TP2PP2) -> per-tensor generator -> HF: bit for bit, on every rank
     for arch in ARCHS:
@@ -88,7 +88,7 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
             assert bool(getattr(p, "tensor_model_parallel", False)) == is_split, name
         original = load_file(os.path.join(path, "model.safetensors"))
         seen = set()
-        for name, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron()):
+        for name, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron()):
             assert name in original, f"{arch}: generator yielded unknown tensor {name}"
             assert t.dtype == original[name].dtype and torch.equal(t, original[name]), f"{arch}: {name} differs"
             seen.add(name)
@@ -122,21 +122,21 @@ def _check_shared_gather(chunks, info, original, arch):
     import torch.distributed as dist
 
     from megappo.convert import shm
-    from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
 
-    layout = Layout.from_megatron()
-    shared = plan_shared_gather(chunks, info.desc, layout)
+    coords = RankCoords.from_megatron()
+    shared = plan_shared_gather(chunks, info.desc, coords)
     assert shared is not None, "4 CPU ranks on one host must use shared memory"
     assert not [f for f in os.listdir(shm.SHM_DIR) if shared.token in f], "segment file left in /dev/shm"
-    first = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, info.desc, layout, shared=shared)]
-    assert [n for n, _ in first] == [n for n, _ in iter_hf_tensors(chunks, info.desc, layout)]
+    first = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, info.desc, coords, shared=shared)]
+    assert [n for n, _ in first] == [n for n, _ in iter_hf_tensors(chunks, info.desc, coords)]
     for name, t in first:
         assert torch.equal(t, original[name]), f"{arch}: {name} differs through shared memory"
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
                 p.add_(1.0)
-    for name, t in iter_hf_tensors(chunks, info.desc, layout, shared=shared, dtype=torch.float64):
+    for name, t in iter_hf_tensors(chunks, info.desc, coords, shared=shared, dtype=torch.float64):
         assert t.dtype == torch.float64
         assert torch.equal(t, (original[name] + 1).double()), f"{arch}: {name} is stale after the second sync"
     with torch.no_grad():
@@ -146,7 +146,7 @@ def _check_shared_gather(chunks, info, original, arch):
     # One rank without room in /dev/shm: the whole group falls back to collectives together.
     full = os.statvfs_result((4096,) * 2 + (0,) * 8)
     with mock.patch.object(shm.os, "statvfs", return_value=full) if dist.get_rank() == 1 else contextlib.nullcontext():
-        assert plan_shared_gather(chunks, info.desc, layout) is None
+        assert plan_shared_gather(chunks, info.desc, coords) is None
 
 
 def test_roundtrip_bit_exact_and_critic_gradients_tp2pp2(model_dirs):

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 def test_te_spec_actor_matches_transformers_on_cuda(arch, tmp_path):
     import torch.distributed as dist
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors, load_hf_weights
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, load_hf_weights
     from megappo.distributed import log_probs_from_logits
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, te_available, transformer_config
 
@@ -35,7 +35,7 @@ def test_te_spec_actor_matches_transformers_on_cuda(arch, tmp_path):
     cfg = transformer_config(info, cpu=False)
     chunks = build_model(info, cfg)
     assert chunks[0].megappo_te_spec == te_available()
-    load_hf_weights(chunks, str(path), info.desc, Layout.from_megatron())
+    load_hf_weights(chunks, str(path), info.desc, RankCoords.from_megatron())
     ids = torch.randint(0, VOCAB, (2, 32), device="cuda")
     with torch.no_grad():
         logits = chunks[0](ids, torch.arange(32, device="cuda")[None].expand(2, 32), attention_mask=None)
@@ -44,5 +44,5 @@ def test_te_spec_actor_matches_transformers_on_cuda(arch, tmp_path):
     # TE's fp32 GEMMs/attention differ from cuBLAS/SDPA in summation order: a looser bound than on CPU.
     assert (lp - ref).abs().max().item() < 1e-4
     sd = hf.state_dict()
-    for name, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron()):
+    for name, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron()):
         assert torch.equal(t.cpu(), sd[name].cpu()), name

@@ -43,9 +43,9 @@ def _exported_hf_model(chunks, info, path):
     """transformers model holding the actor's current weights, via the per-tensor generator."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
 
-    sd = dict(iter_hf_tensors(chunks, info.desc, Layout.from_megatron()))
+    sd = dict(iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron()))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -92,7 +92,7 @@ def _worker(rank, world, path):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megappo.convert.hf_io import Layout, iter_hf_tensors, plan_shared_gather
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
     from megappo.rollout import VLLMRollout
 
     info, cfg, chunks = build(path, 2, 2)
@@ -102,12 +102,12 @@ def _worker(rank, world, path):
     engine = VLLMRollout(path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16,
                          max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20)
 
-    layout = Layout.from_megatron()
-    shared = plan_shared_gather(chunks, info.desc, layout)  # the trainer's path on CPU
+    coords = RankCoords.from_megatron()
+    shared = plan_shared_gather(chunks, info.desc, coords)  # the trainer's path on CPU
     assert shared is not None
 
     def sync():
-        return engine.sync_weights(iter_hf_tensors(chunks, info.desc, layout, shared=shared), bucket_bytes=1)
+        return engine.sync_weights(iter_hf_tensors(chunks, info.desc, coords, shared=shared), bucket_bytes=1)
 
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (20,), generator=g).tolist() for _ in range(3)]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import spawn
+from megappo import algo
 from mcore import build, setup, random_batch
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +30,7 @@ from tiny_models import VOCAB, hf_config, save_tiny_model  # noqa: E402
 B = 6
 FIXED = 3  # micro_batch_size of the reference split: 2 micro-batches, a multiple of PP
 SGD = dict(lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
-PPO = dict(entropy_coeff=0.01, loss_agg_mode="token-mean")
+PPO = dict(loss=algo.PolicyLossSpec(entropy_coeff=0.01, loss_agg_mode="token-mean"))
 HANG_S = 120  # the whole training spawn takes ~20 s on 2 cores
 
 
@@ -52,9 +53,9 @@ def _budgets(lengths):
 
 def _hf(chunks, info):
     """Full HF-named tensors (layout-independent), on every rank."""
-    from megappo.convert.hf_io import Layout, iter_hf_tensors
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
 
-    return {n: t.detach().clone() for n, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron())}
+    return {n: t.detach().clone() for n, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron())}
 
 
 def _local(chunks):
@@ -81,8 +82,9 @@ def _padded_steps(actor, critic, batch, budget):
     ]
     for rows, mini, mb, mode in steps:
         part = batch.select(rows)
-        a = actor.update_policy(part, mini_batch_size=mini, entropy_coeff=0.01, loss_agg_mode=mode, **mb)
-        c = critic.update_critic(part, mini_batch_size=mini, loss_agg_mode=mode, **mb)
+        a = actor.update_policy(part, mini_batch_size=mini, loss=algo.PolicyLossSpec(entropy_coeff=0.01, loss_agg_mode=mode),
+                                **mb)
+        c = critic.update_critic(part, mini_batch_size=mini, loss=algo.ValueLossSpec(loss_agg_mode=mode), **mb)
         out["pg"] += a["actor/pg_loss_per_minibatch"]
         out["vf"] += c["critic/vf_loss_per_minibatch"]
         out["grad"].append(a["actor/grad_norm"])  # the mean over the call's mini-batches
@@ -112,7 +114,7 @@ def _forward_worker(rank, world, path, out_dir):
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size)
     _, ccfg, cchunks = build(path, 1, 2, 2, value_head=True)
     critic = Critic(cchunks, ccfg)
-    assert len(actor.model) == 2  # two model chunks per rank: the interleaved schedule
+    assert len(actor.ddp_chunks) == 2  # two model chunks per rank: the interleaved schedule
     for name, mb in runs.items():
         micros, order = actor._micro(batch, mb.get("micro_batch_size"), mb.get("max_token_len"))[:2]
         res[f"{name}/micros"] = (len(micros), len(order))
@@ -155,7 +157,7 @@ def _train_worker(rank, world, path, out_dir):
     # -- the same steps at TP1 PP2 without VPP: one chunk, no fitting, no padding ----------------
     setup(1, 2)
     info, cinfo, actor, critic = _workers(path, 2, None)
-    assert len(actor.model) == 1
+    assert len(actor.ddp_chunks) == 1
     res["pp2"] = _padded_steps(actor, critic, batch, one)
     res["pp2"]["actor"], res["pp2"]["critic"] = _hf(actor.chunks, info), _hf(critic.chunks, cinfo)
     res["init/hf"] = _hf(build(path, 1, 2)[2], info)

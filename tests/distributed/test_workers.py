@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness import spawn
+from megappo import algo
 from mcore import build, setup, random_batch
 
 pytestmark = pytest.mark.distributed
@@ -46,8 +47,8 @@ def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None):
     mb = dict(micro_batch_size=None if max_tokens else micro, max_token_len=max_tokens)
     batch.old_log_prob = actor.compute_log_prob(batch, **mb)
     batch.values = critic.compute_values(batch, **mb)
-    a = actor.update_policy(batch, mini_batch_size=M // dp, ppo_epochs=2, entropy_coeff=0.01,
-                            loss_agg_mode="token-mean", **mb)
+    a = actor.update_policy(batch, mini_batch_size=M // dp, ppo_epochs=2,
+                            loss=algo.PolicyLossSpec(entropy_coeff=0.01, loss_agg_mode="token-mean"), **mb)
     c = critic.update_critic(batch, mini_batch_size=M // dp, ppo_epochs=2, **mb)
     after = actor.compute_log_prob(batch, **mb)
     if rank == 0:

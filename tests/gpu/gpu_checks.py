@@ -162,7 +162,7 @@ def make_batch(seed: int = 0):
 def build(path: str, device: torch.device, dtype: torch.dtype, use_te: bool, value_head: bool = False):
     """(info, TransformerConfig, chunks) of the HF folder ``path``; parameters where megatron
     puts them for ``device`` (the current CUDA device, or the CPU)."""
-    from megappo.convert.hf_io import Layout, load_hf_weights
+    from megappo.convert.hf_io import RankCoords, load_hf_weights
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     ensure_parallel()
@@ -171,7 +171,7 @@ def build(path: str, device: torch.device, dtype: torch.dtype, use_te: bool, val
     # a random head (not the trainer's zero default) so the critic checks see non-zero values
     chunks = build_model(info, cfg, value_head=value_head, use_te=use_te, value_head_std=(info.desc.hidden_size + 1) ** -0.5)
     assert chunks[0].megappo_te_spec == use_te
-    load_hf_weights(chunks, path, info.desc, Layout.from_megatron())
+    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, cfg, chunks
 
 
@@ -317,7 +317,7 @@ def _policy_step(path, device, dtype, use_te, batch):
     b = batch.select(slice(None))
     b.old_log_prob = actor.compute_log_prob(b, micro_batch_size=1)
     before = params(actor)
-    m = actor.update_policy(b, mini_batch_size=len(b), micro_batch_size=1, entropy_coeff=0.0)
+    m = actor.update_policy(b, mini_batch_size=len(b), micro_batch_size=1, loss=algo.PolicyLossSpec(entropy_coeff=0.0))
     after = params(actor)
     lp = actor.compute_log_prob(b, micro_batch_size=1)
     new_loss, _ = algo.policy_loss(b.old_log_prob, lp, b.advantages, b.response_mask)
@@ -529,7 +529,7 @@ def check_hf_export(root, device: torch.device, dtype: torch.dtype, use_te: bool
     from safetensors.torch import load_file
 
     from megappo.checkpoint import save_checkpoint
-    from megappo.convert.hf_io import Layout, iter_hf_tensors
+    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
 
     dirs = model_dirs(root)
     src = dirs["policy_bf16"] if dtype == torch.bfloat16 else dirs["policy"]
@@ -541,7 +541,7 @@ def check_hf_export(root, device: torch.device, dtype: torch.dtype, use_te: bool
     actor = Actor(chunks, cfg, device=device, vocab_size=info.desc.vocab_size)
     assert_on(actor, device)
     got = {}
-    for name, t in iter_hf_tensors(chunks, info.desc, Layout.from_megatron()):
+    for name, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron()):
         assert t.device.type == device.type, f"{name} came out on {t.device}"
         got[name] = t.detach().cpu().clone()
     assert got.keys() == want.keys(), (sorted(set(got) ^ set(want)))

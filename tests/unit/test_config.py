@@ -524,15 +524,17 @@ def _validate_source():
     import inspect
     import textwrap
 
+    from megappo.config import validation
+
     out = []
-    for fn in (C.validate, C._check_model_path):
+    for fn in validation.RULE_FUNCTIONS:
         lines, first = inspect.getsourcelines(fn)
         out.append((fn, "".join(lines), first, ast.parse(textwrap.dedent("".join(lines)))))
     return out
 
 
 def _need_sites():
-    """(function, first line, last line) of every need(...) call in validate and its helper."""
+    """(function, first line, last line) of every need(...) call in the rule functions."""
     import ast
 
     sites = []
@@ -540,14 +542,16 @@ def _need_sites():
         calls = [n for n in ast.walk(tree)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
         # Sanity check of the scan: as many calls as the text spells 'need(' (less the definition).
-        assert len(calls) == len(re.findall(r"\bneed\(", text)) - (fn is C.validate), fn
+        assert len(calls) == len(re.findall(r"\bneed\(", text)), fn
         sites += [(fn.__name__, n.lineno + first - 1, n.end_lineno + first - 1) for n in calls]
     return sorted(sites)
 
 
 def _failing_need_calls(run):
     """{(function, line, key)} of the need(...) calls whose condition failed while run() ran."""
-    codes = {C.validate.__code__: "validate", C._check_model_path.__code__: "_check_model_path"}
+    from megappo.config import validation
+
+    codes = {fn.__code__: fn.__name__ for fn in validation.RULE_FUNCTIONS}
     hits = set()
 
     def profile(frame, event, arg):
@@ -566,7 +570,7 @@ def _failing_need_calls(run):
 
 
 def test_every_need_site_has_a_row(path_tree):
-    """Meta-check: every need(...) call in validate() (and _check_model_path) is made to fail by at
+    """Meta-check: every need(...) call in validate()'s rule functions is made to fail by at
     least one RULES row, so a rule added later without a row fails this test. It checks call
     sites, not every key of a rule that loops over keys (the positive-size loops are covered key by
     key below; the other loops' keys are listed in RULES by hand)."""
@@ -582,11 +586,10 @@ def test_every_need_site_has_a_row(path_tree):
 
 
 def _loop_keys(marker: str) -> list[str]:
-    """The keys of the `for key in (...)` loop in validate whose body's message contains ``marker``."""
+    """The keys of the `for key in (...)` loop in a rule function whose body's message contains ``marker``."""
     import ast
 
-    fn, text, first, tree = _validate_source()[0]
-    for node in ast.walk(tree):
+    for node in (n for _, _, _, tree in _validate_source() for n in ast.walk(tree)):
         if (isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple)
                 and any(isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith(marker)
                         for c in ast.walk(ast.Module(body=node.body, type_ignores=[])))):

@@ -3,17 +3,17 @@ that nothing reads would silently do nothing (issue 3/7 found ~20 such keys).
 
 The check reads the source: attribute chains from the config (``cfg.critic.ppo_mini_batch_size``,
 ``self.cfg...``) through local aliases (``arr = cfg.actor_rollout_ref``, tuple assignments,
-conditional expressions) and parameters annotated with a config section type. ``validate()`` and
-the parsing code in megappo/config.py do not count as readers; config.py's helpers that the
-program calls (critic_enabled, parallel_layout) do."""
+conditional expressions) and parameters annotated with a config section type. The validation and
+parsing code in the megappo/config package do not count as readers; its helpers that the program
+calls (critic_enabled, parallel_layout) do."""
 import ast
 import dataclasses
 from pathlib import Path
 
 from megappo import config as C
 
-SRC = Path(C.__file__).resolve().parent
-CONFIG_HELPERS = {"critic_enabled", "parallel_layout"}   # config.py functions the trainer calls
+SRC = Path(C.__file__).resolve().parent.parent          # src/megappo
+CONFIG_HELPERS = {"critic_enabled", "parallel_layout"}   # megappo.config functions the trainer calls
 
 
 def _section_paths() -> dict[str, list[str]]:
@@ -86,7 +86,7 @@ def program_reads() -> set[str]:
     found: set[str] = set()
     for f in SRC.rglob("*.py"):
         tree = ast.parse(f.read_text())
-        if f.name == "config.py":
+        if f.parent == SRC / "config":
             tree = ast.Module(body=[n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in CONFIG_HELPERS],
                               type_ignores=[])
         found |= _reads(tree, sections)

@@ -6,7 +6,8 @@ from .advantages import (EstimatorSpec, compute_advantages, discounted_returns, 
                          gae_reference, get_estimator, group_stats, list_estimators, register_estimator)
 from .kl import (AdaptiveKLController, FixedKLController, apply_kl_in_reward, kl_penalty, list_kl_kinds,
                  make_kl_controller)
-from .losses import LOSS_AGG_MODES, agg_loss, entropy_from_logits, list_loss_agg_modes, policy_loss, value_loss
+from .losses import (LOSS_AGG_MODES, PolicyLossSpec, ValueLossSpec, agg_loss, entropy_from_logits, list_loss_agg_modes,
+                     policy_loss, value_loss)
 from .stats import (global_count, global_seq_count, masked_mean, masked_sum, masked_var, masked_whiten,
                     rollout_probs_diff)
 
@@ -17,4 +18,5 @@ __all__ = [
     "kl_penalty", "list_kl_kinds", "FixedKLController", "AdaptiveKLController", "make_kl_controller",
     "apply_kl_in_reward",
     "LOSS_AGG_MODES", "list_loss_agg_modes", "agg_loss", "policy_loss", "value_loss", "entropy_from_logits",
+    "PolicyLossSpec", "ValueLossSpec",
 ]

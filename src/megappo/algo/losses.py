@@ -7,19 +7,51 @@ add up (gradient accumulation + a DP *sum*) to the loss of the whole mini-batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .stats import masked_mean, masked_sum
 
-__all__ = ["LOSS_AGG_MODES", "list_loss_agg_modes", "agg_loss", "policy_loss", "value_loss", "entropy_from_logits"]
+__all__ = ["LOSS_AGG_MODES", "list_loss_agg_modes", "agg_loss", "policy_loss", "value_loss", "entropy_from_logits",
+           "PolicyLossSpec", "ValueLossSpec"]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def list_loss_agg_modes() -> list[str]:
     return list(LOSS_AGG_MODES)
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """The actor's loss: clipped/dual-clip policy gradient - entropy bonus + KL loss, settings
+    resolved once (the trainer builds it from actor_rollout_ref.actor)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0            # dual-clip constant
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    norm_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant (max response length)
+
+    def clip_kwargs(self) -> dict:
+        """The keyword arguments of :func:`policy_loss` this spec fixes."""
+        return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+                    clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode)
+
+
+@dataclass(frozen=True)
+class ValueLossSpec:
+    """The critic's clipped value loss, settings resolved once (from critic.*)."""
+
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    norm_factor: Optional[float] = None
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, global_tokens=None, global_seqs=None,

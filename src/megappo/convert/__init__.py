@@ -1,6 +1,6 @@
-"""HF <-> megatron-core weight conversion: a pure name/layout map on full tensors (names,
-layout), TP/PP placement (parallel), and streaming load/export over a live model (hf_io)."""
-from .layout import fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
+"""HF <-> megatron-core weight conversion: pure name and tensor maps on full tensors (names,
+tensor_maps), TP/PP placement (parallel), and streaming load/export over a live model (hf_io)."""
+from .tensor_maps import fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
 from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
 from .parallel import (global_layer, layer_owner, layers_per_chunk, to_global_name, to_local_name, tp_gather, tp_rows,
                        tp_shard)

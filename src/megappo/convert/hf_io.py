@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
 from .parallel import layer_owner, tp_gather, tp_rows, to_global_name
 
-__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather", "Layout"]
+__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather", "RankCoords"]
 
 
 class WeightLoadError(ValueError):
@@ -32,7 +32,7 @@ class WeightLoadError(ValueError):
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class Layout:
+class RankCoords:
     """This rank's coordinates: TP and PP sizes/ranks, VPP size."""
 
     def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
@@ -41,7 +41,7 @@ class Layout:
         self.tp_group, self.pp_group, self.mp_group = tp_group, pp_group, mp_group
 
     @classmethod
-    def from_megatron(cls) -> "Layout":
+    def from_megatron(cls) -> "RankCoords":
         from megatron.core import parallel_state as ps
 
         return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -155,12 +155,12 @@ def _read_shard(pm: ParamMap, read: Callable, desc: ModelDesc, rank: int, size: 
     return read(pm.hf[0], pm.partition_dim, s)
 
 
-def _local_params(chunks, desc: ModelDesc, layout: Layout) -> dict[str, torch.nn.Parameter]:
+def _local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch.nn.Parameter]:
     """Global megatron name -> this rank's parameter, over all its VPP chunks."""
     out = {}
     for vp, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            out[to_global_name(name, layout.pp_rank, vp, desc.num_layers, layout.pp, layout.vpp)] = p
+            out[to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp)] = p
     return out
 
 
@@ -178,14 +178,14 @@ def _te(chunks, te: Optional[bool]) -> bool:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, layout: Layout = None, te: Optional[bool] = None) -> None:
+def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, coords: RankCoords = None, te: Optional[bool] = None) -> None:
     """Copy an HF safetensors checkpoint into this rank's megatron chunks (streamed, sliced).
     ``te``: TransformerEngine parameter names (default: as the chunks were built)."""
-    layout = layout or Layout()
+    coords = coords or RankCoords()
     te = _te(chunks, te)
     ckpt = SafetensorsCheckpoint(model_dir)
     _check(ckpt, param_maps(desc, te), desc)
-    local = _local_params(chunks, desc, layout)
+    local = _local_params(chunks, desc, coords)
     maps = _maps_for(desc, te, local)
     unknown = sorted(n for n in local if n not in maps)
     if unknown:
@@ -195,24 +195,24 @@ def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, layout: Layout = No
         pm = maps[name]
         if not all(n in have for n in pm.hf):  # an optional tensor (the critic's head): keep its init
             continue
-        shard = _read_shard(pm, ckpt.read, desc, layout.tp_rank, layout.tp)
+        shard = _read_shard(pm, ckpt.read, desc, coords.tp_rank, coords.tp)
         if tuple(shard.shape) != tuple(param.shape):
             raise WeightLoadError(f"{name}: built a shard of shape {tuple(shard.shape)} for a parameter of shape "
                                   f"{tuple(param.shape)}")
         param.copy_(shard.to(param.dtype))
 
 
-def plan_shared_gather(chunks, desc: ModelDesc, layout: Layout, te: Optional[bool] = None):
+def plan_shared_gather(chunks, desc: ModelDesc, coords: RankCoords, te: Optional[bool] = None):
     """A :class:`~megappo.convert.shm.SharedHFModel` for :func:`iter_hf_tensors` when the whole
     model-parallel group shares one host and holds CPU tensors, else ``None``. Collective over
-    ``layout.mp_group``; plan once per model (parameters keep their storage)."""
+    ``coords.mp_group``; plan once per model (parameters keep their storage)."""
     from .shm import SharedHFModel
 
-    return SharedHFModel.plan(_local_params(chunks, desc, layout), desc, layout, _te(chunks, te))
+    return SharedHFModel.plan(_local_params(chunks, desc, coords), desc, coords, _te(chunks, te))
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional[bool] = None,
+def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Optional[bool] = None,
                     dtype: Optional[torch.dtype] = None, shared=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for every HF tensor of the model, on every rank.
 
@@ -227,25 +227,25 @@ def iter_hf_tensors(chunks, desc: ModelDesc, layout: Layout = None, te: Optional
         for name, t in shared.tensors():
             yield name, (t if dtype is None else t.to(dtype))
         return
-    layout = layout or Layout()
+    coords = coords or RankCoords()
     te = _te(chunks, te)
-    local = _local_params(chunks, desc, layout)
+    local = _local_params(chunks, desc, coords)
     any_param = next(iter(local.values()))
     dt = any_param.dtype
     for pm in param_maps(desc, te):
-        owner = layout.owner(pm, desc.num_layers)
-        if owner == layout.pp_rank:
+        owner = coords.owner(pm, desc.num_layers)
+        if owner == coords.pp_rank:
             shard = local[pm.megatron].detach()
-            if pm.partition_dim is not None and layout.tp > 1:
-                pieces = [torch.empty_like(shard) for _ in range(layout.tp)]
-                dist.all_gather(pieces, shard.contiguous(), group=layout.tp_group)
+            if pm.partition_dim is not None and coords.tp > 1:
+                pieces = [torch.empty_like(shard) for _ in range(coords.tp)]
+                dist.all_gather(pieces, shard.contiguous(), group=coords.tp_group)
                 full = tp_gather(pieces, pm)
             else:
                 full = shard
         else:
             full = torch.empty(full_shape(pm, desc), dtype=dt, device=any_param.device)
-        if layout.pp > 1:
+        if coords.pp > 1:
             full = full.contiguous()
-            dist.broadcast(full, src=dist.get_global_rank(layout.pp_group, owner), group=layout.pp_group)
+            dist.broadcast(full, src=dist.get_global_rank(coords.pp_group, owner), group=coords.pp_group)
         for name, t in to_hf(pm, full, desc).items():
             yield name, (t if dtype is None else t.to(dtype))

@@ -264,7 +264,7 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
     from megappo import megatron_cpu
     from megappo.models import build_model, initialize_parallel, transformer_config
 
-    from .hf_io import Layout, WeightLoadError, load_hf_weights
+    from .hf_io import RankCoords, WeightLoadError, load_hf_weights
 
     bar = tqdm(total=3, desc="build model", disable=not progress)
     with quiet_warnings():
@@ -280,7 +280,7 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
             bar.update()
             bar.set_description("load HF weights")
             try:
-                load_hf_weights(chunks, hf_dir, info.desc, Layout(), te=False)
+                load_hf_weights(chunks, hf_dir, info.desc, RankCoords(), te=False)
             except WeightLoadError as e:
                 raise ConvertError(_one_line(e)) from e
             bar.update()

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .layout import qkv_group_views
+from .tensor_maps import qkv_group_views
 from .names import ParamMap
 
 __all__ = ["tp_shard", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",

@@ -65,7 +65,9 @@ class MegatronWorker:
         self.is_last = ps.is_pipeline_last_stage()
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         self.optimizer = None
-        self.model = list(chunks)
+        # What megatron's schedule runs: the chunks in DDP wrappers when training, the chunks
+        # themselves when forward-only. ``self.chunks`` are always the bare modules (weight export).
+        self.ddp_chunks = list(chunks)
         if lr is not None:
             from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                    finalize_model_grads)
@@ -73,13 +75,13 @@ class MegatronWorker:
 
             ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                     grad_reduce_in_fp32=True)
-            self.model = [DistributedDataParallel(config, ddp_cfg, c) for c in chunks]
+            self.ddp_chunks = [DistributedDataParallel(config, ddp_cfg, c) for c in chunks]
             config.finalize_model_grads_func = finalize_model_grads
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                 adam_beta1=betas[0], adam_beta2=betas[1], bf16=config.bf16, fp16=config.fp16,
                                 params_dtype=config.params_dtype, use_distributed_optimizer=use_distributed_optimizer),
-                self.model)
+                self.ddp_chunks)
             _use_foreach(self.optimizer)
             # Stepped once per PPO step (update_policy / update_critic call), as verl does: linear
             # warm-up from 0 over lr_warmup_steps, then constant / linear / cosine to min_lr.
@@ -90,7 +92,7 @@ class MegatronWorker:
                 self.optimizer, init_lr=0.0 if lr_warmup_steps > 0 else lr, max_lr=lr, min_lr=min_lr,
                 lr_warmup_steps=lr_warmup_steps, lr_decay_steps=decay, lr_decay_style=lr_decay_style,
                 start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
-        self.chunks = list(chunks)  # unwrapped modules, for weight export
+        self.chunks = list(chunks)
 
     # -- schedule ---------------------------------------------------------------------------
     def _run(self, micro_batches: list[RolloutBatch], loss_fn, forward_only: bool) -> list:
@@ -106,10 +108,10 @@ class MegatronWorker:
             out = model(ids, pos, attention_mask=None)
             return out, partial(loss_fn, mb, ids)
 
-        its = [iter(data) for _ in self.model] if len(self.model) > 1 else iter(data)
+        its = [iter(data) for _ in self.ddp_chunks] if len(self.ddp_chunks) > 1 else iter(data)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=its,
-            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(data),
+            model=self.ddp_chunks if len(self.ddp_chunks) > 1 else self.ddp_chunks[0], num_microbatches=len(data),
             seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only)
 
@@ -130,7 +132,7 @@ class MegatronWorker:
         gradient; their outputs are dropped) and kept at the batch's width."""
         lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
         groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
-        vpp = len(self.model) > 1
+        vpp = len(self.ddp_chunks) > 1
         if vpp:
             groups = fit_to_multiple(groups, lengths, self.pp)
             rows = max(len(g) for g in groups)
@@ -214,7 +216,7 @@ class MegatronWorker:
         return (float(grad_norm) if grad_norm is not None else 0.0), bool(ok)
 
     def _zero_grad(self) -> None:
-        for m in self.model:
+        for m in self.ddp_chunks:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -247,31 +249,27 @@ class Actor(MegatronWorker):
                              lambda output, ids, mb: self._log_probs(output, ids, mb, with_entropy=False)[0])
 
     def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
-                      max_token_len: Optional[int] = None,
-                      ppo_epochs: int = 1, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                      clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0,
-                      use_kl_loss: bool = False, kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
-                      norm_factor: Optional[float] = None) -> dict:
+                      max_token_len: Optional[int] = None, ppo_epochs: int = 1,
+                      loss: algo.PolicyLossSpec = algo.PolicyLossSpec()) -> dict:
         """PPO epochs over this rank's mini-batches (``mini_batch_size`` samples per rank).
         Returns per-mini-batch global losses and verl-named averages."""
         def make_loss(norm):
-            norm = dict(norm, norm_factor=norm_factor)
+            norm = dict(norm, norm_factor=loss.norm_factor)
 
             def loss_fn(mb, ids, output):
                 lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
-                pg, m = algo.policy_loss(mb.old_log_prob, lp, mb.advantages, mb.response_mask,
-                                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                         clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **norm)
-                ent_loss = algo.agg_loss(ent, mb.response_mask, loss_agg_mode, **norm)
-                loss = pg - entropy_coeff * ent_loss
+                pg, m = algo.policy_loss(mb.old_log_prob, lp, mb.advantages, mb.response_mask, **loss.clip_kwargs(),
+                                         **norm)
+                ent_loss = algo.agg_loss(ent, mb.response_mask, loss.loss_agg_mode, **norm)
+                total = pg - loss.entropy_coeff * ent_loss
                 kl = torch.zeros((), device=lp.device)
-                if use_kl_loss:
-                    kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, kl_loss_type), mb.response_mask,
-                                       loss_agg_mode, **norm)
-                    loss = loss + kl_loss_coef * kl
+                if loss.use_kl_loss:
+                    kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, loss.kl_loss_type), mb.response_mask,
+                                       loss.loss_agg_mode, **norm)
+                    total = total + loss.kl_loss_coef * kl
                 share = mb.response_mask.sum() / norm["global_tokens"]  # token share, for token-mean metrics
-                return loss, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
-                              **{k: v * share for k, v in m.items()}}
+                return total, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
+                               **{k: v * share for k, v in m.items()}}
             return loss_fn
 
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
@@ -293,16 +291,15 @@ class Critic(MegatronWorker):
         return self._forward(batch, micro_batch_size, max_token_len, lambda output, ids, mb: self._values(output, mb))
 
     def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
-                      max_token_len: Optional[int] = None,
-                      ppo_epochs: int = 1, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
-                      norm_factor: Optional[float] = None) -> dict:
+                      max_token_len: Optional[int] = None, ppo_epochs: int = 1,
+                      loss: algo.ValueLossSpec = algo.ValueLossSpec()) -> dict:
         def make_loss(norm):
             def loss_fn(mb, ids, output):
-                loss, clipfrac = algo.value_loss(self._values(output, mb), mb.returns, mb.values, mb.response_mask,
-                                                 cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
-                                                 norm_factor=norm_factor, **norm)
+                vf, clipfrac = algo.value_loss(self._values(output, mb), mb.returns, mb.values, mb.response_mask,
+                                               cliprange_value=loss.cliprange_value, loss_agg_mode=loss.loss_agg_mode,
+                                               norm_factor=loss.norm_factor, **norm)
                 share = mb.response_mask.sum() / norm["global_tokens"]
-                return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac * share}
+                return vf, {"vf_loss": vf.detach(), "vf_clipfrac": clipfrac * share}
             return loss_fn
 
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,

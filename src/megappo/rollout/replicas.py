@@ -1,4 +1,4 @@
-"""Rollout data layout: prompts split over rollout replicas (never splitting a prompt's samples),
+"""Rollout replicas: prompts split over the vLLM replicas (never splitting a prompt's samples),
 results gathered and handed to the training data-parallel layout."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rollout data layout over ranks: prompts split by replica, results gathered in prompt order
+"""Rollout replicas over ranks: prompts split by replica, results gathered in prompt order
 (one copy per replica), then each training DP rank takes its share."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Pure layout maps between HF tensors and megatron-core tensors, on FULL (unsharded) tensors.
+"""Pure tensor maps between HF tensors and megatron-core tensors, on FULL (unsharded) tensors.
 
 Architecture facts (megatron-core 0.16, local and TE specs alike):
 - ``linear_qkv`` stacks, for each query group g, that group's query heads, then its key head,

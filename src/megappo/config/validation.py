@@ -1,0 +1,329 @@
+"""Every rule of a config, one function per section, all broken rules reported together."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from megappo.config.schema import ConfigError, PPOConfig, get
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ParallelLayout:
+    world_size: int
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    dp: int
+    rollout_tp: int
+    rollout_dp: int
+
+
+def parallel_layout(cfg: PPOConfig, world_size: Optional[int] = None) -> ParallelLayout:
+    """The rank layout the config implies (DP derived from the world size)."""
+    m = cfg.actor_rollout_ref.actor.megatron
+    world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    mp = max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    rtp = max(1, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+    return ParallelLayout(world, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                          m.virtual_pipeline_model_parallel_size, world // mp, rtp, world // rtp)
+
+
+def _known(kind: str) -> list[str]:
+    # Lazy: the registries live in megappo.algo (torch); the dry run pays this once.
+    from megappo import algo
+
+    return {"estimator": algo.list_estimators, "kl": algo.list_kl_kinds, "agg": algo.list_loss_agg_modes}[kind]()
+
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+Need = Callable[[bool, str, str], bool]
+
+
+def validate(
+    cfg: PPOConfig,
+    *,
+    check_paths: bool = False,
+    world_size: Optional[int] = None,
+    warnings: Optional[list[str]] = None,
+    installed: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None,
+) -> None:
+    """Check every rule; raise one :class:`ConfigError` listing all that fail.
+
+    ``check_paths`` also requires data files and the model directory to exist, and the optional
+    packages a chosen logger needs to be ``installed`` (a real start);
+    ``world_size`` is the launcher's actual WORLD_SIZE, checked against nnodes x n_gpus_per_node.
+    Advisory findings are appended to ``warnings``.
+    """
+    E: list[tuple[str, str]] = []
+    W = warnings if warnings is not None else []
+
+    def need(cond: bool, key: str, msg: str) -> bool:
+        if not cond:
+            E.append((key, msg))
+        return cond
+
+    _sizes(cfg, need)
+    dp = _layout(cfg, need, W, world_size)
+    _batches(cfg, need, dp)
+    _ppo_and_kl(cfg, need, W)
+    _sampling(cfg, need)
+    _optimizers(cfg, need)
+    _trainer(cfg, need)
+    if check_paths:
+        _paths(cfg, need, installed)
+    if E:
+        raise ConfigError(E)
+
+
+def _sizes(cfg: PPOConfig, need: Need) -> None:
+    for key in ("data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+                A + "ppo_mini_batch_size", A + "ppo_epochs", A + "ppo_max_token_len_per_gpu", R + "n",
+                R + "tensor_model_parallel_size", R + "max_num_batched_tokens", R + "max_num_seqs",
+                R + "val_kwargs.n", "critic.ppo_mini_batch_size", "critic.ppo_epochs",
+                "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
+                A + "megatron.tensor_model_parallel_size", A + "megatron.pipeline_model_parallel_size",
+                "algorithm.kl_ctrl.horizon"):
+        v = get(cfg, key)
+        need(isinstance(v, int) and v >= 1, key, f"must be a positive integer, got {v!r}")
+    for key in ("data.val_batch_size", A + "ppo_micro_batch_size_per_gpu", R + "log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                "critic.forward_micro_batch_size_per_gpu", "trainer.total_training_steps",
+                A + "megatron.virtual_pipeline_model_parallel_size",
+                "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
+        v = get(cfg, key)
+        need(v is None or v >= 1, key, f"must be null or a positive integer, got {v!r}")
+    ka, kc = cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep
+    need(ka is None or kc is None or ka == kc, "trainer.max_critic_ckpt_to_keep",
+         f"must equal trainer.max_actor_ckpt_to_keep ({ka}), got {kc}: megappo saves the actor and the critic "
+         "together as one resumable step; set one of the two")
+
+
+def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int]) -> Optional[int]:
+    """The layout rules; returns the data-parallel size when the layout divides the world."""
+    tr, m, ro = cfg.trainer, cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
+    world = tr.nnodes * tr.n_gpus_per_node
+    if world_size is not None:
+        need(world_size == world, "trainer.n_gpus_per_node",
+             f"trainer.nnodes x trainer.n_gpus_per_node = {tr.nnodes} x {tr.n_gpus_per_node} = {world}, "
+             f"but the launcher started WORLD_SIZE={world_size} processes")
+    tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    layout_ok = tp >= 1 and pp >= 1 and world >= 1
+    if layout_ok:
+        layout_ok = need(world % (tp * pp) == 0, A + "megatron.tensor_model_parallel_size",
+                         f"world size {world} (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by "
+                         f"TP x PP = {tp} x {pp} = {tp * pp} ({A}megatron.tensor_model_parallel_size x "
+                         f"{A}megatron.pipeline_model_parallel_size)")
+    if vpp is not None and vpp >= 1:
+        need(pp > 1, A + "megatron.virtual_pipeline_model_parallel_size",
+             f"the interleaved schedule needs pipeline_model_parallel_size > 1 (is {pp}); set it to null")
+    for sect in ("actor_rollout_ref.ref", "critic"):
+        other = get(cfg, sect + ".megatron")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
+            need(getattr(other, name) == getattr(m, name), f"{sect}.megatron.{name}",
+                 f"must equal {A}megatron.{name} ({getattr(m, name)}), got {getattr(other, name)}: the actor, "
+                 "reference and critic share one megatron parallel state per process")
+    rtp = ro.tensor_model_parallel_size
+    if rtp >= 1 and world >= 1:
+        need(world % rtp == 0, R + "tensor_model_parallel_size",
+             f"world size {world} must be divisible by the rollout TP size {rtp}")
+        if tr.n_gpus_per_node >= 1 and tr.n_gpus_per_node % rtp != 0:
+            W.append(f"{R}tensor_model_parallel_size={rtp} does not divide trainer.n_gpus_per_node="
+                     f"{tr.n_gpus_per_node}: vLLM tensor parallelism would cross nodes")
+    return world // (tp * pp) if layout_ok else None
+
+
+def _rollout_n(cfg: PPOConfig) -> Optional[int]:
+    n = cfg.actor_rollout_ref.rollout.n
+    return n if isinstance(n, int) and n >= 1 else None
+
+
+def _batches(cfg: PPOConfig, need: Need, dp: Optional[int]) -> None:
+    """verl's semantics: mini-batch sizes are in prompts, global over DP."""
+    d, cr, n = cfg.data, cfg.critic, _rollout_n(cfg)
+    for role, sect in (("actor", A), ("critic", "critic.")):
+        if role == "critic" and not critic_enabled(cfg):
+            continue
+        mini = get(cfg, sect + "ppo_mini_batch_size")
+        micro = get(cfg, sect + "ppo_micro_batch_size_per_gpu")
+        dyn = get(cfg, sect + "use_dynamic_bsz")
+        if not (isinstance(mini, int) and mini >= 1 and d.train_batch_size >= 1 and n):
+            continue
+        need(d.train_batch_size % mini == 0, sect + "ppo_mini_batch_size",
+             f"data.train_batch_size ({d.train_batch_size}) must be divisible by {sect}ppo_mini_batch_size ({mini}) "
+             "so every step is a whole number of mini-batches")
+        if dp:
+            if need(mini * n % dp == 0, sect + "ppo_mini_batch_size",
+                    f"a mini-batch of {mini} prompts x rollout.n {n} = {mini * n} samples must split evenly over "
+                    f"{dp} data-parallel ranks"):
+                per_rank = mini * n // dp
+                if not dyn and micro is not None and micro >= 1:
+                    need(per_rank % micro == 0, sect + "ppo_micro_batch_size_per_gpu",
+                         f"the per-rank mini-batch ({mini} x {n} / DP {dp} = {per_rank} samples) must be divisible "
+                         f"by the micro-batch size {micro}")
+        if not dyn:
+            need(micro is not None, sect + "ppo_micro_batch_size_per_gpu",
+                 f"must be set when {sect}use_dynamic_bsz is false")
+        else:
+            tokens = get(cfg, sect + "ppo_max_token_len_per_gpu")
+            need(tokens >= d.max_prompt_length + d.max_response_length, sect + "ppo_max_token_len_per_gpu",
+                 f"token budget {tokens} is smaller than one sequence (data.max_prompt_length + "
+                 f"data.max_response_length = {d.max_prompt_length + d.max_response_length})")
+    if critic_enabled(cfg) and cr.use_dynamic_bsz:
+        need(cr.forward_max_token_len_per_gpu >= d.max_prompt_length + d.max_response_length,
+             "critic.forward_max_token_len_per_gpu", f"token budget {cr.forward_max_token_len_per_gpu} is smaller than "
+             f"one sequence ({d.max_prompt_length + d.max_response_length} tokens)")
+    for sect in (R, "actor_rollout_ref.ref."):
+        if get(cfg, sect + "log_prob_use_dynamic_bsz"):
+            tokens = get(cfg, sect + "log_prob_max_token_len_per_gpu")
+            need(tokens >= d.max_prompt_length + d.max_response_length, sect + "log_prob_max_token_len_per_gpu",
+                 f"token budget {tokens} is smaller than one sequence ({d.max_prompt_length + d.max_response_length} tokens)")
+        else:
+            need(get(cfg, sect + "log_prob_micro_batch_size_per_gpu") is not None, sect + "log_prob_micro_batch_size_per_gpu",
+                 f"must be set when {sect}log_prob_use_dynamic_bsz is false")
+    if dp and n and d.train_batch_size >= 1:
+        need(d.train_batch_size * n % dp == 0, "data.train_batch_size",
+             f"train_batch_size x rollout.n = {d.train_batch_size * n} samples must split evenly over {dp} data-parallel ranks")
+
+
+def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    act, al, cr, n = cfg.actor_rollout_ref.actor, cfg.algorithm, cfg.critic, _rollout_n(cfg)
+    need(act.clip_ratio_c > 1.0, A + "clip_ratio_c", f"dual-clip constant must be > 1, got {act.clip_ratio_c}")
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        v = getattr(act, key)
+        need(v is None or v >= 0, A + key, f"must be >= 0, got {v}")
+    need(cr.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {cr.cliprange_value}")
+    for key in ("entropy_coeff", "kl_loss_coef"):
+        need(getattr(act, key) >= 0, A + key, f"must be >= 0, got {getattr(act, key)}")
+    need(al.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {al.kl_ctrl.kl_coef}")
+    if al.kl_ctrl.type == "adaptive":
+        need(al.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl",
+             f"the adaptive controller needs target_kl > 0, got {al.kl_ctrl.target_kl}")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        v = get(cfg, key)
+        need(0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
+    kl_kinds = _known("kl")
+    need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
+         f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")
+    need(al.kl_penalty in kl_kinds, "algorithm.kl_penalty",
+         f"unknown KL estimator {al.kl_penalty!r}; supported: {', '.join(kl_kinds)}")
+    estimators = _known("estimator")
+    if need(al.adv_estimator in estimators, "algorithm.adv_estimator",
+            f"unknown advantage estimator {al.adv_estimator!r}; registered: {', '.join(estimators)}"):
+        from megappo import algo
+
+        spec = algo.get_estimator(al.adv_estimator)
+        if spec.needs_critic:
+            need(cr.enable is not False, "critic.enable",
+                 f"algorithm.adv_estimator={al.adv_estimator} needs a critic (values), but critic.enable=false")
+        elif cr.enable:
+            W.append(f"critic.enable=true but algorithm.adv_estimator={al.adv_estimator} does not use values: "
+                     "the critic is trained and ignored")
+        if spec.group_relative and n is not None:
+            need(n > 1, R + "n",
+                 f"algorithm.adv_estimator={al.adv_estimator} compares samples of the same prompt and needs "
+                 f"rollout.n > 1 (got {n}): with n=1 every group is a singleton and the advantage degenerates")
+
+
+def _sampling(cfg: PPOConfig, need: Need) -> None:
+    d, ro = cfg.data, cfg.actor_rollout_ref.rollout
+    for sect in (R, R + "val_kwargs."):
+        t, p, k = get(cfg, sect + "temperature"), get(cfg, sect + "top_p"), get(cfg, sect + "top_k")
+        need(t >= 0, sect + "temperature", f"must be >= 0, got {t}")
+        need(0 < p <= 1, sect + "top_p", f"must be in (0, 1], got {p}")
+        need(k == -1 or k >= 1, sect + "top_k", f"must be -1 (disabled) or >= 1, got {k}")
+    need(0 < ro.gpu_memory_utilization <= 1, R + "gpu_memory_utilization",
+         f"must be in (0, 1], got {ro.gpu_memory_utilization}")
+    need(ro.max_num_batched_tokens >= d.max_prompt_length + d.max_response_length or ro.max_num_batched_tokens < 1,
+         R + "max_num_batched_tokens",
+         f"{ro.max_num_batched_tokens} is smaller than one sequence "
+         f"({d.max_prompt_length + d.max_response_length} tokens)")
+
+
+def _optimizers(cfg: PPOConfig, need: Need) -> None:
+    for sect in (A + "optim.", "critic.optim."):
+        o = get(cfg, sect[:-1])
+        need(o.lr >= 0, sect + "lr", f"must be >= 0, got {o.lr}")
+        need(o.clip_grad >= 0, sect + "clip_grad", f"must be >= 0 (0 disables), got {o.clip_grad}")
+        need(0 <= o.lr_warmup_steps_ratio <= 1, sect + "lr_warmup_steps_ratio", f"must be in [0, 1], got {o.lr_warmup_steps_ratio}")
+        need(o.lr_warmup_steps >= -1, sect + "lr_warmup_steps", f"must be -1 or >= 0, got {o.lr_warmup_steps}")
+        need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), sect + "betas", f"must be two numbers in [0, 1), got {o.betas}")
+
+
+def _trainer(cfg: PPOConfig, need: Need) -> None:
+    d, tr = cfg.data, cfg.trainer
+    for key in ("trainer.save_freq", "trainer.test_freq"):
+        v = get(cfg, key)
+        need(v == -1 or v >= 1, key, f"must be -1 (disabled) or a positive number of steps, got {v}")
+    need(tr.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {tr.critic_warmup}")
+    need(tr.dist_timeout_s >= 1, "trainer.dist_timeout_s", f"must be >= 1 second, got {tr.dist_timeout_s}")
+    if tr.resume_mode == "resume_path":
+        need(bool(tr.resume_from_path), "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
+    need(bool(tr.resume_mode), "trainer.resume_mode",
+         f"must be disable, auto, resume_path or a checkpoint path, got {tr.resume_mode!r}")
+    need(bool(d.train_files), "data.train_files", "needs at least one file, got an empty list")
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
+        need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
+             "must be set unless reward_model.use_dynamic_bsz")
+    need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length",
+         f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "
+         f"tokens is implausibly long; expected fewer than {10**7}")
+
+
+def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
+    """A real start: files, model folders and the packages the chosen loggers need exist."""
+    tr = cfg.trainer
+    for key in ("data.train_files", "data.val_files"):
+        for f in get(cfg, key):
+            need(Path(os.path.expanduser(f)).is_file(), key, f"file not found: {f}")
+    _check_model_path(cfg, "actor_rollout_ref.model.path", need)
+    if critic_enabled(cfg) and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        _check_model_path(cfg, "critic.model.path", need)
+    if cfg.reward_model.enable and cfg.reward_model.model.path:
+        _check_model_path(cfg, "reward_model.model.path", need)
+    crf = cfg.custom_reward_function.path
+    if crf:
+        need(Path(os.path.expanduser(crf)).is_file(), "custom_reward_function.path", f"file not found: {crf}")
+    if tr.resume_mode == "resume_path" and tr.resume_from_path:
+        need(Path(os.path.expanduser(tr.resume_from_path)).is_dir(), "trainer.resume_from_path",
+             f"checkpoint directory not found: {tr.resume_from_path}")
+    for sink in ("wandb", "mlflow"):
+        if sink in tr.logger:
+            need(installed(sink), "trainer.logger",
+                 f"{sink} is not installed: pip install {sink} (or megappo[loggers]), or drop it from the list")
+    if tr.resume_mode not in ("disable", "auto", "resume_path"):
+        need(Path(os.path.expanduser(tr.resume_mode)).is_dir(), "trainer.resume_mode",
+             f"expected disable, auto, resume_path or an existing checkpoint directory, got {tr.resume_mode!r}")
+
+
+def _check_model_path(cfg: PPOConfig, key: str, need) -> None:
+    p = get(cfg, key)
+    local = Path(os.path.expanduser(p))
+    if local.exists() or p.startswith(("/", ".", "~")) or p.count("/") != 1:
+        if need(local.is_dir(), key, f"model directory not found: {p}"):
+            need((local / "config.json").is_file(), key, f"{p} has no config.json (expected a HuggingFace model folder)")
+    # else: a hub id ("Qwen/Qwen3-8B"), resolved from the local HF cache when the model loads.
+
+
+def critic_enabled(cfg: PPOConfig) -> bool:
+    """Whether the run builds a critic (critic.enable, or auto: the estimator needs values)."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    try:
+        from megappo import algo
+
+        return algo.get_estimator(cfg.algorithm.adv_estimator).needs_critic
+    except (KeyError, ValueError):
+        return False
+
+
+# The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _sampling, _optimizers, _trainer, _paths, _check_model_path)
