@@ -32,9 +32,10 @@ def build_engine(cfg: PPOConfig):
 
 
 def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,
-                device: torch.device):
+                device: torch.device, checkpointing: bool = False):
     """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
-    equals the actor's, validated; sequence parallelism and the seed are the role's).
+    equals the actor's, validated; sequence parallelism, the seed and recomputation are the
+    role's; ``checkpointing``: its model section's enable_gradient_checkpointing).
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
     from megappo.convert.hf_io import RankCoords, load_hf_weights
     from megappo.models import build_model as build_chunks
@@ -45,13 +46,25 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                               vpp=mc.virtual_pipeline_model_parallel_size, sequence_parallel=mc.sequence_parallel,
                               params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,
-                              cpu=device.type == "cpu")
+                              cpu=device.type == "cpu", recompute=recompute_settings(mc, checkpointing))
     # the reference has no seed of its own: all its weights are loaded
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
                           value_head_std=cfg.critic.model.value_head_init_std)
     load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, tcfg, chunks
+
+
+def recompute_settings(mc: MegatronConfig | RefMegatronConfig, checkpointing: bool) -> Optional[tuple[str, str, int]]:
+    """megatron's (granularity, method, num_layers) for a training role: its
+    override_transformer_config.recompute_*, or verl's enable_gradient_checkpointing (= full
+    recomputation of every layer); None without recomputation (and for the forward-only reference)."""
+    if isinstance(mc, RefMegatronConfig):
+        return None
+    r = mc.override_transformer_config
+    if r.recompute_granularity is not None:
+        return r.recompute_granularity, r.recompute_method, r.recompute_num_layers
+    return ("full", "uniform", 1) if checkpointing else None
 
 
 def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool) -> dict:
@@ -62,14 +75,21 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
                 lr_decay_steps=total_steps, lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
 
 
+def _set_offload(worker, mc: MegatronConfig) -> None:
+    """megatron.param_offload / grad_offload / optimizer_offload of a training role."""
+    worker.set_offload(params=mc.param_offload, grads=mc.grad_offload, optimizer=mc.optimizer_offload)
+
+
 def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: int):
     """(HFModelInfo, Actor) of the policy (actor_rollout_ref.model, .actor)."""
     from megappo.workers import Actor
 
     arr = cfg.actor_rollout_ref
-    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device)
+    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device,
+                                     checkpointing=arr.model.enable_gradient_checkpointing)
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
+    _set_offload(actor, arr.actor.megatron)
     return info, actor
 
 
@@ -82,7 +102,9 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int):
     if not (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
         return None
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device)
-    return Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
+    ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
+    ref.set_offload(params=arr.ref.megatron.param_offload)
+    return ref
 
 
 def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: int):
@@ -92,9 +114,12 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     if not critic_enabled(cfg):
         return None
     c = cfg.critic
-    _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device)
-    return Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
-                  **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
+    _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
+                                  checkpointing=c.model.enable_gradient_checkpointing)
+    critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
+                    **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
+    _set_offload(critic, c.megatron)
+    return critic
 
 
 def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokenizer) -> Optional[object]:

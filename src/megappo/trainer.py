@@ -117,13 +117,23 @@ class PPOTrainer:
         return max(1, per_epoch * self.cfg.trainer.total_epochs)
 
     def sync_weights(self) -> dict:
+        """The actor's weights into the engine (which wakes first). Every role's offloadable state
+        leaves the device around it: the others' before the engine wakes, the actor's weights
+        after they were streamed."""
         from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
 
+        for w in (self.ref, self.critic):
+            if w is not None:
+                w.offload()
+        self.actor.offload(params=False)
+        self.actor.state_offload.ensure(params=True)
         coords = RankCoords.from_megatron()
         if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
             self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, coords)
-        return self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, coords,
-                                                        shared=self._shared_gather))
+        out = self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, coords,
+                                                       shared=self._shared_gather))
+        self.actor.offload()
+        return out
 
     def rollout(self, items, sampling, salt: int = 0, offset: int = 0) -> tuple[RolloutBatch, list]:
         """Generate on this rank's rollout replica, gather every replica's samples on every rank.
@@ -217,6 +227,7 @@ class PPOTrainer:
             if self.ref is not None:
                 with t("ref"):
                     local_batch.ref_log_prob = self.ref.compute_log_prob(local_batch, **self.batching.ref.kwargs())
+                self.ref.offload()
                 self._check_finite("ref", ref_log_prob=local_batch.ref_log_prob)
             if self.critic is not None:
                 with t("values"):
@@ -229,13 +240,9 @@ class PPOTrainer:
             if self.critic is not None:
                 with t("update_critic"):
                     metrics.update(self._update_critic(local_batch))
-                self._check_finite_metrics("update_critic", metrics, "critic/")
-                self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
                     metrics.update(self._update_actor(local_batch))
-                self._check_finite_metrics("update_actor", metrics, "actor/")
-                self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.sync_weights()
         self.step_no += 1
@@ -283,14 +290,26 @@ class PPOTrainer:
         return metrics
 
     def _update_critic(self, local_batch: RolloutBatch) -> dict:
-        return self.critic.update_critic(local_batch, mini_batch_size=self._per_rank(self.batching.critic_mini_batch),
-                                         ppo_epochs=self.cfg.critic.ppo_epochs, loss=self.value_loss,
-                                         **self.batching.critic.kwargs())
+        """PPO epochs of the critic; its losses and weights checked finite; then its offloadable
+        state leaves the device (the critic is done for this step)."""
+        metrics = self.critic.update_critic(local_batch, mini_batch_size=self._per_rank(self.batching.critic_mini_batch),
+                                            ppo_epochs=self.cfg.critic.ppo_epochs, loss=self.value_loss,
+                                            **self.batching.critic.kwargs())
+        self._check_finite_metrics("update_critic", metrics, "critic/")
+        self._check_finite("update_critic", critic_weights=_any_nonfinite(self.critic))
+        self.critic.offload()
+        return metrics
 
     def _update_actor(self, local_batch: RolloutBatch) -> dict:
-        return self.actor.update_policy(local_batch, mini_batch_size=self._per_rank(self.batching.actor_mini_batch),
-                                        ppo_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs, loss=self.policy_loss,
-                                        **self.batching.actor.kwargs())
+        """PPO epochs of the policy, checked finite; its gradients and optimizer state may leave
+        the device now, its weights after the sync."""
+        metrics = self.actor.update_policy(local_batch, mini_batch_size=self._per_rank(self.batching.actor_mini_batch),
+                                           ppo_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs, loss=self.policy_loss,
+                                           **self.batching.actor.kwargs())
+        self._check_finite_metrics("update_actor", metrics, "actor/")
+        self._check_finite("update_actor", actor_weights=_any_nonfinite(self.actor))
+        self.actor.offload(params=False)
+        return metrics
 
     def _per_rank(self, prompts: int) -> int:
         """Samples of a mini-batch of ``prompts`` prompts on one DP rank."""
@@ -358,7 +377,12 @@ class PPOTrainer:
         return out
 
     def _workers(self) -> dict:
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        """The checkpointed workers, with all their state on the device (saving and loading read
+        and write every tensor)."""
+        workers = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        for w in workers.values():
+            w.state_offload.reload_all()
+        return workers
 
     def trainer_state(self) -> dict:
         return {"data": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),

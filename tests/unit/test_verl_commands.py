@@ -132,10 +132,13 @@ def test_unknown_config_name_and_unknown_key_are_errors():
 
 
 @pytest.mark.parametrize("arg, kind, fragment", [
-    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "warn", "activation recomputation arrives with issue 4/7"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", None, None),     # settings since 4/7
     ("actor_rollout_ref.model.enable_gradient_checkpointing=False", None, None),
     ("actor_rollout_ref.model.use_remove_padding=True", "warn", "pads each micro-batch"),
-    ("actor_rollout_ref.actor.megatron.param_offload=True", "warn", "offload during rollout arrives with issue 4/7"),
+    ("actor_rollout_ref.actor.megatron.param_offload=True", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform", None, None),
+    ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "error",
+     "only recompute_granularity, recompute_method and recompute_num_layers are settings"),
     ("critic.megatron.optimizer_offload=False", None, None),
     ("actor_rollout_ref.hybrid_engine=True", None, None),
     ("actor_rollout_ref.hybrid_engine=False", "error", "always colocates"),
@@ -163,3 +166,23 @@ def test_each_verl_only_key(arg, kind, fragment):
         assert not errs and len(warnings) == 1 and warnings[0].startswith(key) and fragment in warnings[0], warnings
     else:
         assert not warnings and len(errs) == 1 and errs[0][0] == key and fragment in errs[0][1], errs
+
+
+def test_verl_memory_keys_are_settings():
+    """verl's offload and recomputation keys set megappo's fields (issue 4/7), and
+    enable_gradient_checkpointing means full recomputation of every layer."""
+    from megappo.builders import recompute_settings
+    from megappo.config import load_config
+
+    cfg = load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                       "critic.megatron.override_transformer_config.recompute_granularity=selective",
+                       "actor_rollout_ref.actor.megatron.param_offload=True", "critic.megatron.grad_offload=True"],
+                      ["tiny_cpu"])
+    assert cfg.actor_rollout_ref.actor.megatron.param_offload and cfg.critic.megatron.grad_offload
+    assert not cfg.critic.megatron.param_offload   # each role's own, not inherited from the actor
+    arr = cfg.actor_rollout_ref
+    assert recompute_settings(arr.actor.megatron, arr.model.enable_gradient_checkpointing) == ("full", "uniform", 1)
+    assert recompute_settings(cfg.critic.megatron, False) == ("selective", "uniform", 1)
+    assert recompute_settings(arr.ref.megatron, True) is None     # forward only
+    assert recompute_settings(arr.actor.megatron, False) is None
+

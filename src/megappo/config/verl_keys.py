@@ -36,12 +36,7 @@ RULES: list[tuple[str, Rule]] = [
     # accepted: what megappo does anyway, or a no-op until the feature lands
     ("actor_rollout_ref.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
     ("critic.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
-    ("actor_rollout_ref.model.enable_gradient_checkpointing", _when(_truthy, "warn", "has no effect yet: activation recomputation arrives with issue 4/7")),
-    ("critic.model.enable_gradient_checkpointing", _when(_truthy, "warn", "has no effect yet: activation recomputation arrives with issue 4/7")),
     ("actor_rollout_ref.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
-    ("*.megatron.param_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
-    ("*.megatron.grad_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
-    ("*.megatron.optimizer_offload", _when(_truthy, "warn", "has no effect yet: offload during rollout arrives with issue 4/7")),
     ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
     ("*.megatron.dist_checkpointing_path", lambda v: None),
     # the reference is forward-only with loaded weights: no optimizer, no seeded initialisation
@@ -64,7 +59,7 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: megappo starts from the HF folder in model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
     ("*.megatron.expert_model_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
     ("*.megatron.expert_tensor_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
-    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included)")),
+    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method and recompute_num_layers are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),

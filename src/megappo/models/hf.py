@@ -118,9 +118,11 @@ def describe(hf_config, tp: int = 1, value_head: bool = False, vocab_divisible_b
 
 def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                       cpu: bool = False):
+                       cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None):
     """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
-    parameters are initialised (``use_cpu_initialization``)."""
+    parameters are initialised (``use_cpu_initialization``). ``recompute``: (granularity,
+    method, num_layers) of megatron's activation recomputation; selective takes no method or
+    layer count."""
     from megatron.core.transformer import TransformerConfig
 
     d = info.desc
@@ -137,6 +139,9 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=bool(sequence_parallel and tp > 1),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, use_cpu_initialization=cpu,
+        recompute_granularity=recompute[0] if recompute else None,
+        recompute_method=recompute[1] if recompute and recompute[0] == "full" else None,
+        recompute_num_layers=recompute[2] if recompute and recompute[0] == "full" else None,
         # megatron-core 0.16.1 marks tensor-parallel weights (tensor_model_parallel, partition_dim)
         # only inside its weight-init functions: with perform_initialization=False the gradient
         # norm treats every TP shard as a duplicate (wrong clipping) and checkpoints lose the

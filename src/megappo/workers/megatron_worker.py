@@ -22,6 +22,7 @@ from megappo.batch import RolloutBatch
 from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, module_device
 
 from .batching import fit_to_multiple, micro_batch_groups
+from .offload import StateOffload
 
 __all__ = ["MegatronWorker", "Actor", "Critic"]
 
@@ -93,6 +94,18 @@ class MegatronWorker:
                 lr_warmup_steps=lr_warmup_steps, lr_decay_steps=decay, lr_decay_style=lr_decay_style,
                 start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
         self.chunks = list(chunks)
+        self.state_offload = StateOffload(self)   # nothing offloaded unless set_offload() says so
+
+    def set_offload(self, *, params: bool = False, grads: bool = False, optimizer: bool = False) -> None:
+        """What to move off the device while idle (megatron.param_offload/grad_offload/
+        optimizer_offload); :meth:`offload` moves it, every pass brings back what it uses."""
+        self.state_offload.reload_all()
+        self.state_offload = StateOffload(self, params=params, grads=grads, optimizer=optimizer)
+
+    def offload(self, *, params: bool = True) -> None:
+        """Free what set_offload selected (between this worker's passes); ``params=False`` keeps
+        the weights (gradients and optimizer state only)."""
+        self.state_offload.offload(params=params)
 
     # -- schedule ---------------------------------------------------------------------------
     def _run(self, micro_batches: list[RolloutBatch], loss_fn, forward_only: bool) -> list:
@@ -166,6 +179,7 @@ class MegatronWorker:
             return out.sum() * 0.0, {"out": out}
 
         micros, order, keep = self._micro(batch, micro_batch_size, max_token_len)
+        self.state_offload.ensure(params=True)
         outs = self._run(micros, loss_fn, forward_only=True)
         return self._gather_rows(outs, "out", order, keep, tuple(batch.responses.shape))
 
@@ -176,6 +190,7 @@ class MegatronWorker:
         ``make_loss(norm)`` returns the micro-batch loss function given the mini-batch's global
         normalisers; its metric dict holds micro-batch parts that add up (over micro-batches and
         DP ranks) to the mini-batch value of each of ``keys``."""
+        self.state_offload.ensure(params=True, grads=True, optimizer=True)
         history = {k: [] for k in (*keys, "grad_norm")}
         history["lr"] = [self.optimizer.param_groups[0]["lr"]]
         for _ in range(ppo_epochs):

@@ -1,0 +1,435 @@
+"""The memory planner: will a config fit its GPUs? ``python -m megappo.plan [--config ...] [key=value ...]``
+
+Computed from the model's HF ``config.json``, the layout and the options -- no weights, no GPU,
+no network. For every pipeline stage and phase of a step (rollout, the forward passes, the critic
+and actor updates) it adds up what one GPU of that stage holds: weights, gradients and optimizer
+state of each role (less what is offloaded while the role is idle), activations kept for the
+backward pass (with and without recomputation), the logits of the log-prob pass, and vLLM's
+share. Against ``trainer.gpu_memory_gb`` it gives a verdict and, when it does not fit, the
+cheapest settings that would.
+
+The arithmetic (bytes per GPU; P = parameters of the stage on this rank, t = TP, d = DP):
+- weights: bf16 2P (fp32 4P). Gradients: megatron's DDP buffer in fp32 (grad_reduce_in_fp32), 4P.
+  Optimizer: fp32 main weights + Adam's two moments, 12P, divided by d with the distributed
+  optimizer (fp32 weights: only the moments, 8P).
+- activations per token per layer, bf16, flash attention (no s^2 term): the two norm inputs and
+  the two linear inputs (4h, divided by t under sequence parallelism), q/k/v and the attention
+  output ((2a + 2g) x head_dim / t), gate+up and the SwiGLU output (3f / t); plus flash
+  attention's fp32 log-sum-exp (a / t). Full recomputation keeps only each recomputed block's
+  input (h, /t under SP) and rebuilds one block at a time. A 1F1B pipeline stage s holds
+  PP - s micro-batches in flight; the interleaved schedule (PP-1-s)*2 + (VPP-1)*PP + 1 chunks.
+- logits of the last stage: the output layer's [tokens, V/t] in the compute dtype, its gradient
+  in training, and the log-prob/entropy kernel's fp32 work of a token chunk
+  (megappo.distributed.LOGITS_CHUNK_TOKENS; verl and megappo before chunking: the whole micro-batch).
+- vLLM: rollout.gpu_memory_utilization of the GPU while it generates and while it receives the
+  actor's weights (sync: the actor's weights are back on the device then); nothing while asleep
+  (rollout.free_cache_engine), all of it throughout otherwise.
+- a fixed reserve per GPU for the CUDA context, NCCL buffers and allocator slack (RESERVE_GB).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+GiB = 2**30
+RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
+LOGITS_FP32_COPIES = 3           # the kernel's fp32 work per logit: upcast, exp, gradient
+MODEL_CONFIGS = Path(__file__).parent / "model_configs"
+
+__all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config",
+           "find_model_config", "main"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The model, from its config.json
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    ffn: int                     # dense MLP width (or each expert's, for MoE layers see moe_ffn)
+    layers: int
+    heads: int
+    groups: int                  # key/value heads
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    experts: int = 0             # 0: dense
+    experts_per_token: int = 0
+    moe_ffn: int = 0
+    name: str = ""
+
+
+def model_shape(hf: dict, name: str = "") -> ModelShape:
+    """The numbers the planner needs from an HF config.json mapping."""
+    arch = (hf.get("architectures") or [""])[0]
+    heads = hf["num_attention_heads"]
+    experts = int(hf.get("num_experts") or 0)
+    return ModelShape(
+        hidden=hf["hidden_size"], ffn=hf["intermediate_size"], layers=hf["num_hidden_layers"], heads=heads,
+        groups=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab=hf["vocab_size"], tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=arch.startswith("Qwen2"),
+        qk_norm=arch.startswith("Qwen3"), experts=experts, experts_per_token=int(hf.get("num_experts_per_tok") or 0),
+        moe_ffn=int(hf.get("moe_intermediate_size") or 0), name=name)
+
+
+def find_model_config(path: str) -> Path:
+    """config.json of ``path``: a config.json file, a model folder holding one, or a model named
+    like one of the configs shipped in megappo/model_configs (``Qwen/Qwen3-8B``,
+    ``~/models/Qwen2.5-0.5B-Instruct``: the longest shipped name the folder's name starts with)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_file():
+        return p
+    if (p / "config.json").is_file():
+        return p / "config.json"
+    base = p.name.lower()
+    names = sorted((c for c in MODEL_CONFIGS.glob("*.json") if base.startswith(c.stem.lower())),
+                   key=lambda c: -len(c.stem))
+    if names:
+        return names[0]
+    shipped = ", ".join(sorted(c.stem for c in MODEL_CONFIGS.glob("*.json")))
+    raise FileNotFoundError(f"no config.json for model '{path}': not a file or a folder with config.json, and no "
+                            f"shipped config matches its name (shipped: {shipped}); pass --model-config PATH")
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """megatron pads the vocabulary to a multiple of divisible_by x TP (megappo.models.hf)."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
+def _layer_params(m: ModelShape, tp: int) -> int:
+    """Parameters of one decoder layer on one TP rank (norms are replicated)."""
+    h, d = m.hidden, m.head_dim
+    q, kv = m.heads * d, m.groups * d
+    attn = h * (q + 2 * kv) // tp + (q + 2 * kv) // tp * m.qkv_bias + q * h // tp
+    norms = 2 * h + (2 * d if m.qk_norm else 0)
+    if m.experts:
+        mlp = h * m.experts + m.experts * 3 * h * m.moe_ffn // tp   # router (replicated) + experts (EP=1)
+    else:
+        mlp = 3 * h * m.ffn // tp
+    return attn + norms + mlp
+
+
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool = False) -> int:
+    """Parameters one rank of pipeline stage ``stage`` holds (all its virtual chunks together).
+    First stage: the embedding; last stage: the final norm and the output layer (a (1, h) value
+    head with a bias for the critic; with tied embeddings and PP > 1 megatron keeps a copy of the embedding
+    there)."""
+    n = m.layers // pp * _layer_params(m, tp)
+    vp = padded_vocab(m.vocab, tp)
+    if stage == 0:
+        n += vp * m.hidden // tp
+    if stage == pp - 1:
+        n += m.hidden
+        if value_head:
+            n += m.hidden + 1                       # (1, h) weight and a bias, as transformers' score layer
+        elif not (m.tied and pp == 1):
+            n += vp * m.hidden // tp
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and the plan
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoleOptions:
+    present: bool = True
+    trains: bool = True
+    distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    recompute: Optional[str] = None      # None | "full" | "selective"
+    recompute_num_layers: int = 1
+    train_tokens: int = 0                # micro-batch token budget of the update
+    forward_tokens: int = 0              # micro-batch token budget of its forward-only pass
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    dp: int = 1
+    sequence_parallel: bool = True
+    param_bytes: int = 2                 # bf16
+    gpu_memory_gb: float = 80.0
+    vllm_fraction: float = 0.5
+    vllm_sleeps: bool = True
+    micro_batches: int = 1               # micro-batches per mini-batch (bounds the in-flight count)
+    lean_logits: bool = True             # chunked log-prob/entropy kernel
+    logits_chunk_tokens: int = 4096
+    actor: RoleOptions = field(default_factory=RoleOptions)
+    critic: RoleOptions = field(default_factory=lambda: RoleOptions(present=False))
+    ref: RoleOptions = field(default_factory=lambda: RoleOptions(present=False, trains=False))
+
+
+PHASES = ("rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor", "sync")
+ACTIVE = {"rollout": (), "old_log_prob": ("actor",), "ref": ("ref",), "values": ("critic",),
+          "update_critic": ("critic",), "update_actor": ("actor",), "sync": ()}
+
+
+@dataclass
+class Plan:
+    options: PlanOptions
+    model: ModelShape
+    # stage -> phase -> {item: bytes}
+    table: dict = field(default_factory=dict)
+
+    def total(self, stage: int, phase: str) -> int:
+        return sum(self.table[stage][phase].values())
+
+    def peak(self) -> tuple[int, int, str]:
+        """(bytes, stage, phase) of the largest total (the first stage and phase of a tie)."""
+        best = None
+        for s in self.table:
+            for p in self.table[s]:
+                if best is None or self.total(s, p) > best[0]:
+                    best = (self.total(s, p), s, p)
+        return best
+
+    @property
+    def budget(self) -> float:
+        return (self.options.gpu_memory_gb - RESERVE_GB) * GiB
+
+    def fits(self) -> bool:
+        return self.peak()[0] <= self.budget
+
+
+def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training: bool) -> dict[str, int]:
+    """Weights, gradients and optimizer state of a role on one GPU; offloaded parts are absent
+    while the role is idle (weights come back for its forward passes, gradients and optimizer
+    state for its update only)."""
+    out = {"weights": 0 if (r.param_offload and not active) else o.param_bytes * n}
+    if r.trains:
+        out["grads"] = 0 if (r.grad_offload and not (active and training)) else 4 * n
+        per = (12 if o.param_bytes < 4 else 8) * n
+        per = per // o.dp if r.distributed_optimizer else per
+        out["optimizer"] = 0 if (r.optimizer_offload and not (active and training)) else per
+    return out
+
+
+def layer_activation_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Bytes one decoder layer keeps per token for its backward pass (bf16, flash attention)."""
+    sp = o.tp if (o.sequence_parallel and o.tp > 1) else 1
+    width = m.experts_per_token * m.moe_ffn if m.experts else m.ffn
+    extra_moe = m.hidden * m.experts_per_token / o.tp if m.experts else 0   # permuted tokens into the experts
+    elems = 4 * m.hidden / sp + ((2 * m.heads + 2 * m.groups) * m.head_dim + 3 * width) / o.tp + extra_moe
+    return 2 * elems + 4 * m.heads / o.tp
+
+
+def _in_flight(o: PlanOptions, stage: int) -> float:
+    """Micro-batches (in units of a whole stage's layers) whose activations a stage holds."""
+    if o.vpp and o.vpp > 1:
+        chunks = (o.pp - 1 - stage) * 2 + (o.vpp - 1) * o.pp + 1
+        return min(chunks, o.micro_batches * o.vpp) / o.vpp
+    return min(o.pp - stage, o.micro_batches)
+
+
+def _activations(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int) -> int:
+    layers = m.layers // o.pp
+    per_layer = layer_activation_bytes_per_token(m, o) * tokens
+    sp = o.tp if (o.sequence_parallel and o.tp > 1) else 1
+    if r.recompute == "full":
+        block = max(1, r.recompute_num_layers)
+        kept = 2 * m.hidden / sp * tokens * -(-layers // block)
+        return int(kept * _in_flight(o, stage) + per_layer * block)
+    return int(per_layer * layers * _in_flight(o, stage))
+
+
+def _logits(m: ModelShape, o: PlanOptions, tokens: int, training: bool) -> int:
+    vocab = padded_vocab(m.vocab, o.tp) // o.tp
+    kept = tokens * vocab * o.param_bytes * (2 if training else 1)    # logits (+ their gradient)
+    work_tokens = min(tokens, o.logits_chunk_tokens) if o.lean_logits else tokens
+    return kept + work_tokens * vocab * 4 * LOGITS_FP32_COPIES
+
+
+def plan(m: ModelShape, o: PlanOptions) -> Plan:
+    """Bytes per GPU of every pipeline stage in every phase of a step."""
+    out = Plan(o, m)
+    roles = {"actor": o.actor, "critic": o.critic, "ref": o.ref}
+    for s in range(o.pp):
+        out.table[s] = {}
+        params = {name: stage_params(m, o.tp, o.pp, s, value_head=name == "critic") for name in roles}
+        for phase in PHASES:
+            if any(not roles[name].present for name in ACTIVE[phase]):
+                continue
+            row: dict[str, int] = {}
+            for name, r in roles.items():
+                if r.present:
+                    for k, v in _state_bytes(params[name], o, r, name in ACTIVE[phase],
+                                             training=phase.startswith("update")).items():
+                        row[f"{name} {k}"] = v
+            if phase == "sync":   # the engine is awake and the actor's weights are streamed into it
+                row["actor weights"] = o.param_bytes * params["actor"]
+            if phase in ("rollout", "sync"):
+                row["vLLM"] = int(o.vllm_fraction * o.gpu_memory_gb * GiB)
+            else:
+                row["vLLM"] = 0 if o.vllm_sleeps else int(o.vllm_fraction * o.gpu_memory_gb * GiB)
+                name = ACTIVE[phase][0]
+                r = roles[name]
+                training = phase.startswith("update")
+                tokens = r.train_tokens if training else r.forward_tokens
+                if training:
+                    row["activations"] = _activations(m, o, r, s, tokens)
+                else:   # forward only: one layer's working set at a time
+                    row["activations"] = int(layer_activation_bytes_per_token(m, o) * tokens)
+                if s == o.pp - 1 and name != "critic":
+                    row["logits"] = _logits(m, o, tokens, training)
+            out.table[s][phase] = row
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# From a megappo config
+# ---------------------------------------------------------------------------------------------
+
+def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptions:
+    """PlanOptions of a PPOConfig (the same keys the trainer reads)."""
+    from megappo.config import critic_enabled, parallel_layout
+
+    arr, c, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
+    act, ro, m = arr.actor, arr.rollout, arr.actor.megatron
+    lay = parallel_layout(cfg)
+    seq = d.max_prompt_length + d.max_response_length
+
+    def budget(dynamic: bool, tokens: int, micro: Optional[int]) -> int:
+        return tokens if dynamic else (micro or 1) * seq
+
+    def role(mc, present, trains, train_tokens, forward_tokens, ckpt_flag=False):
+        gran = mc.override_transformer_config.recompute_granularity if trains else None
+        return RoleOptions(
+            present=present, trains=trains, distributed_optimizer=getattr(mc, "use_distributed_optimizer", True),
+            param_offload=mc.param_offload, grad_offload=getattr(mc, "grad_offload", False),
+            optimizer_offload=getattr(mc, "optimizer_offload", False),
+            recompute=gran or ("full" if ckpt_flag else None),
+            recompute_num_layers=mc.override_transformer_config.recompute_num_layers if trains else 1,
+            train_tokens=train_tokens, forward_tokens=forward_tokens)
+
+    uses_ref = bool(act.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    actor = role(m, True, True, budget(act.use_dynamic_bsz, act.ppo_max_token_len_per_gpu, act.ppo_micro_batch_size_per_gpu),
+                 budget(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu, ro.log_prob_micro_batch_size_per_gpu),
+                 arr.model.enable_gradient_checkpointing)
+    critic = role(c.megatron, critic_enabled(cfg), True,
+                  budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu),
+                  budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu, c.forward_micro_batch_size_per_gpu),
+                  c.model.enable_gradient_checkpointing)
+    rf = arr.ref
+    ref = role(rf.megatron, uses_ref, False, 0,
+               budget(rf.log_prob_use_dynamic_bsz, rf.log_prob_max_token_len_per_gpu, rf.log_prob_micro_batch_size_per_gpu))
+    samples_per_rank = act.ppo_mini_batch_size * ro.n // max(1, lay.dp)
+    micro = (max(1, samples_per_rank * seq // max(1, actor.train_tokens)) if act.use_dynamic_bsz
+             else max(1, samples_per_rank // (act.ppo_micro_batch_size_per_gpu or 1)))
+    gpu = gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb
+    return PlanOptions(
+        tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), sequence_parallel=m.sequence_parallel,
+        param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu or 80.0),
+        vllm_fraction=ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine, micro_batches=micro,
+        actor=actor, critic=critic, ref=ref)
+
+
+# Settings the planner may suggest, cheapest first: (label, change of PlanOptions, the overrides).
+def _suggestions():
+    A, C, R = "actor_rollout_ref.actor.megatron.", "critic.megatron.", "actor_rollout_ref.ref.megatron."
+
+    def roles(**kw):
+        return lambda o: replace(o, actor=replace(o.actor, **kw), critic=replace(o.critic, **kw))
+
+    return [
+        ("offload optimizer state while idle", roles(optimizer_offload=True),
+         [A + "optimizer_offload=True", C + "optimizer_offload=True"]),
+        ("offload gradients while idle", roles(grad_offload=True), [A + "grad_offload=True", C + "grad_offload=True"]),
+        ("offload weights while idle", lambda o: replace(roles(param_offload=True)(o), ref=replace(o.ref, param_offload=True)),
+         [A + "param_offload=True", C + "param_offload=True", R + "param_offload=True"]),
+        ("full activation recomputation", roles(recompute="full", recompute_num_layers=1),
+         [A + "override_transformer_config.recompute_granularity=full",
+          C + "override_transformer_config.recompute_granularity=full"]),
+    ]
+
+
+def cheapest_fix(m: ModelShape, o: PlanOptions) -> Optional[tuple[list[str], list[str], Plan]]:
+    """The first combination of suggestions (fewest, then cheapest) that fits, then the same
+    with vLLM's share lowered in steps of 0.05 down to 0.3."""
+    sugg = _suggestions()
+    fractions = [o.vllm_fraction] + [f / 100 for f in range(int(o.vllm_fraction * 100) - 5, 29, -5)]
+    for frac in fractions:
+        for k in range(0, len(sugg) + 1):
+            for combo in itertools.combinations(sugg, k):
+                opt = replace(o, vllm_fraction=frac)
+                for _, change, _ in combo:
+                    opt = change(opt)
+                p = plan(m, opt)
+                if p.fits():
+                    labels = [c[0] for c in combo]
+                    overrides = [x for c in combo for x in c[2]]
+                    if frac != o.vllm_fraction:
+                        labels.append(f"vLLM's share {o.vllm_fraction} -> {frac:.2f} (smaller KV cache)")
+                        overrides.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={frac:.2f}")
+                    return labels, overrides, p
+    return None
+
+
+def render(p: Plan) -> str:
+    o, m = p.options, p.model
+    lines = [f"memory plan: {m.name or 'model'} ({stage_params(m, 1, 1, 0) / 1e9:.2f}B parameters), "
+             f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}, "
+             f"{o.gpu_memory_gb:g} GiB per GPU ({RESERVE_GB:g} GiB reserved), vLLM {o.vllm_fraction:g}"]
+    for s in p.table:
+        lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s) / 1e9:.2f}B actor parameters per GPU):")
+        for phase, row in p.table[s].items():
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in row.items() if v)
+            lines.append(f"    {phase:<14} {p.total(s, phase) / GiB:7.1f} GiB  ({parts})")
+    peak, s, phase = p.peak()
+    verdict = "FITS" if p.fits() else "DOES NOT FIT"
+    lines.append(f"  peak {peak / GiB:.1f} GiB (stage {s}, {phase}) of {p.budget / GiB:.1f} GiB usable: {verdict}")
+    return "\n".join(lines)
+
+
+def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Optional[float] = None):
+    """(Plan, the HF config.json used) of a megappo config."""
+    path = find_model_config(model_config or cfg.actor_rollout_ref.model.path)
+    shape = model_shape(json.loads(path.read_text()), name=path.stem if path.parent == MODEL_CONFIGS else
+                        path.parent.name)
+    return plan(shape, options_from_config(cfg, gpu_memory_gb)), path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from megappo.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m megappo.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", action="append", default=[], help="YAML file or preset (repeatable)")
+    ap.add_argument("--model-config", help="config.json (or model folder) to plan for, instead of the config's model path")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, as for megappo.train")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, args.config)
+        p, path = plan_from_config(cfg, args.model_config)
+    except (ConfigError, FileNotFoundError, KeyError) as e:
+        print(f"megappo.plan: {e}", file=sys.stderr)
+        return 2
+    print(f"model config: {path}")
+    print(render(p))
+    if not p.fits():
+        fix = cheapest_fix(p.model, p.options)
+        if fix is None:
+            print("  no offload/recomputation/vLLM-share setting makes it fit: more GPUs (larger TP or PP) or a "
+                  "smaller token budget (ppo_max_token_len_per_gpu)")
+        else:
+            labels, overrides, fixed = fix
+            print(f"  cheapest fix: {'; '.join(labels)} -> peak {fixed.peak()[0] / GiB:.1f} GiB")
+            print("    " + " ".join(overrides))
+    return 0 if p.fits() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The memory planner (megappo.plan): its counts against a hand count and against a real megatron
+model, its verdicts for the shipped recipes, and its command line."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megappo import plan as P
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 2**30
+
+# A small Qwen3-style model, counted by hand below.
+SMALL = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+         "tie_word_embeddings": False}
+
+
+def test_parameters_and_bytes_match_a_hand_count():
+    m = P.model_shape(SMALL)
+    # One layer at TP2: q 64x64/2 = 2048, k and v 64x32/2 = 1024 each, o 64x64/2 = 2048 -> 6144;
+    # norms 2x64 + q/k norms 2x16 = 160 (replicated); MLP 3 x 64 x 128 / 2 = 12288. Total 18592.
+    assert P._layer_params(m, 2) == 18592
+    # Vocabulary padded to a multiple of 128 x TP = 256: 1024; the embedding shard 1024 x 64 / 2 = 32768.
+    assert P.padded_vocab(1000, 2) == 1024
+    # PP2: stage 0 = 2 layers + embedding; stage 1 = 2 layers + final norm + output layer.
+    assert P.stage_params(m, 2, 2, 0) == 2 * 18592 + 32768
+    assert P.stage_params(m, 2, 2, 1) == 2 * 18592 + 64 + 32768
+    assert P.stage_params(m, 2, 2, 1, value_head=True) == 2 * 18592 + 64 + 64 + 1   # head weight + bias
+    n0 = 2 * 18592 + 32768
+    o = P.PlanOptions(tp=2, pp=2, dp=4, gpu_memory_gb=1.0, vllm_fraction=0.5, micro_batches=8,
+                      actor=P.RoleOptions(train_tokens=100, forward_tokens=200))
+    p = P.plan(m, o)
+    row = p.table[0]["update_actor"]
+    assert row["actor weights"] == 2 * n0                   # bf16
+    assert row["actor grads"] == 4 * n0                     # fp32 DDP buffer
+    assert row["actor optimizer"] == 12 * n0 // 4           # fp32 main + 2 moments, sharded over DP4
+    # Activations per token per layer at TP2 with SP: 4h/2 = 128, (2a + 2g) d / 2 = 96, 3f / 2 = 192
+    # elements -> 2 x 416 bytes + fp32 lse 4 x 4/2 = 840 bytes; 2 layers, 100 tokens, PP - 0 = 2 in flight.
+    assert P.layer_activation_bytes_per_token(m, o) == 840
+    assert row["activations"] == 840 * 100 * 2 * 2
+    assert "logits" not in row and p.table[1]["update_actor"]["activations"] == 840 * 100 * 2 * 1
+    # Last stage logits: 100 x 512 bf16 logits and their gradient + the kernel's fp32 work (3 copies).
+    assert p.table[1]["update_actor"]["logits"] == 100 * 512 * 2 * 2 + 100 * 512 * 4 * 3
+    assert p.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 512 * 4 * 3
+    assert p.table[0]["rollout"]["vLLM"] == int(0.5 * GiB)
+    assert p.table[0]["update_actor"]["vLLM"] == 0            # asleep while training
+    # Full recomputation keeps each layer's input (h / TP under SP) and rebuilds one layer.
+    rc = P.plan(m, replace(o, actor=replace(o.actor, recompute="full")))
+    assert rc.table[0]["update_actor"]["activations"] == int(2 * 32 * 100 * 2 * 2 + 840 * 100)
+    # Offload: idle roles' state leaves the GPU; an active role's stays.
+    off = P.plan(m, replace(o, actor=replace(o.actor, param_offload=True, grad_offload=True, optimizer_offload=True)))
+    assert off.table[0]["rollout"]["actor weights"] == 0 and off.table[0]["rollout"]["actor optimizer"] == 0
+    assert off.table[0]["update_actor"]["actor weights"] == 2 * n0
+    # a forward pass brings back the weights only; the update everything
+    assert off.table[0]["old_log_prob"]["actor weights"] == 2 * n0 and off.table[0]["old_log_prob"]["actor grads"] == 0
+    assert off.table[0]["update_actor"]["actor optimizer"] == 12 * n0 // 4
+    assert off.table[0]["sync"] == {"actor weights": 2 * n0, "actor grads": 0, "actor optimizer": 0,
+                                    "vLLM": int(0.5 * GiB)}
+
+
+@pytest.mark.parametrize("name,billions", [("Qwen3-8B", 8.19), ("Qwen3-14B", 14.77), ("Qwen3-32B", 32.76),
+                                           ("Qwen2.5-0.5B", 0.49), ("Qwen3-30B-A3B", 30.53)])
+def test_shipped_model_configs_have_their_published_size(name, billions):
+    m = P.model_shape(json.loads((P.MODEL_CONFIGS / f"{name}.json").read_text()))
+    n = P.stage_params(m, 1, 1, 0)
+    assert abs(n / 1e9 - billions) < 0.02 * billions, n
+
+
+def test_model_configs_are_found_by_name(tmp_path):
+    assert P.find_model_config("Qwen/Qwen3-8B").name == "Qwen3-8B.json"
+    assert P.find_model_config("~/models/Qwen2.5-0.5B-Instruct").name == "Qwen2.5-0.5B.json"
+    assert P.find_model_config("Qwen/Qwen3-30B-A3B-Base").name == "Qwen3-30B-A3B.json"
+    (tmp_path / "config.json").write_text("{}")
+    assert P.find_model_config(str(tmp_path)) == tmp_path / "config.json"
+    with pytest.raises(FileNotFoundError, match="no config.json for model 'Llama-70B'.*--model-config"):
+        P.find_model_config("Llama-70B")
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "megappo.plan", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+NO_OFFLOAD = [f"{s}.megatron.{k}=False" for s in ("actor_rollout_ref.actor", "critic")
+              for k in ("param_offload", "grad_offload", "optimizer_offload")] + ["actor_rollout_ref.ref.megatron.param_offload=False"]
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b"])
+@pytest.mark.parametrize("gpu", [80, 141])
+def test_recipes_fit_with_their_defaults(recipe, gpu):
+    r = _plan_cli("--config", f"parallel_configs/{recipe}.yaml", f"trainer.gpu_memory_gb={gpu}")
+    assert r.returncode == 0 and ": FITS" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("recipe,gpu,fits", [("qwen3_8b", 80, False), ("qwen3_8b", 141, True), ("qwen3_14b", 80, False),
+                                             ("qwen3_32b", 80, False), ("qwen3_32b", 141, True)])
+def test_recipes_without_offload(recipe, gpu, fits):
+    """Without offload, the idle roles' weights, gradients and Adam state stay on the GPU beside
+    vLLM's share during rollout: more than 80 GiB for every recipe; a 141 GiB GPU holds them."""
+    r = _plan_cli("--config", f"parallel_configs/{recipe}.yaml", f"trainer.gpu_memory_gb={gpu}", *NO_OFFLOAD)
+    assert (": FITS" in r.stdout) == fits and r.returncode == (0 if fits else 1), r.stdout + r.stderr
+    if not fits:
+        assert "peak" in r.stdout and "(stage" in r.stdout and "rollout)" in r.stdout, r.stdout
+        assert "cheapest fix: offload" in r.stdout, r.stdout
+
+
+def test_without_recomputation_the_update_is_the_peak():
+    """With offload the rollout is light; the update's activations then set the peak (52 GiB at
+    the 24k-token budget on stage 0, two micro-batches in flight), and a 32k budget needs
+    recomputation on 80 GiB."""
+    off = "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=null"
+    r = _plan_cli("--config", "parallel_configs/qwen3_8b.yaml", "trainer.gpu_memory_gb=80", off)
+    assert r.returncode == 0 and "(stage 0, update_actor) of 77.0 GiB usable: FITS" in r.stdout, r.stdout
+    r = _plan_cli("--config", "parallel_configs/qwen3_8b.yaml", "trainer.gpu_memory_gb=80", off,
+                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768")
+    assert r.returncode == 1 and "(stage 0, update_actor) of 77.0 GiB usable: DOES NOT FIT" in r.stdout, r.stdout
+    assert "cheapest fix: full activation recomputation" in r.stdout, r.stdout
+
+
+def test_cli_errors_name_the_problem():
+    r = _plan_cli("actor_rollout_ref.model.path=/nope/Llama-70B")
+    assert r.returncode == 2 and "no config.json for model '/nope/Llama-70B'" in r.stderr, r.stderr
+    r = _plan_cli("trainer.gpu_memory_gb=abc")
+    assert r.returncode == 2 and "trainer.gpu_memory_gb" in r.stderr, r.stderr
