@@ -56,31 +56,44 @@ def bench_gae(B, T, repeats):
 
 _LOGPROB_CHILD = r"""
 import json, resource, sys, time, torch
-from megappo.distributed import log_probs_from_logits, log_probs_reference
+from megappo import algo
+from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
+                                 log_probs_reference)
 kind, N, V = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 logits = torch.randn(N, V).requires_grad_(True)
 labels = torch.randint(0, V, (N,))
 grad_out = torch.randn(N)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # the logits are allocated
 def step():
-    lp = log_probs_from_logits(logits, labels) if kind == "parallel" else log_probs_reference(logits, labels)
-    g, = torch.autograd.grad(lp, logits, grad_out)
+    if kind.startswith("fwd"):   # the old-log-prob pass: forward only
+        with torch.no_grad():
+            return log_probs_from_logits(logits, labels, chunk_tokens=None if kind == "fwd_whole" else 1024), None
+    # the actor's update: log-probs and entropy, forward and backward
+    if kind == "naive":
+        lp, h = log_probs_reference(logits, labels), algo.entropy_from_logits(logits)
+    elif kind == "parallel":   # megappo now: fused, 1024-token chunks
+        lp, h = log_probs_and_entropy(logits, labels)
+    else:                      # the reference form: two kernels, the whole micro-batch at once
+        lp = log_probs_from_logits(logits, labels, chunk_tokens=None)
+        h = entropy_from_vocab_parallel_logits(logits, chunk_tokens=None)
+    g, = torch.autograd.grad((lp * grad_out).sum() + (h * grad_out).sum(), logits)
     return lp, g
 step()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ts = []
 for _ in range(5):
     t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
 ts.sort()
 peak_extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
-print(json.dumps({"t": ts[len(ts) // 2], "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"t": ts[len(ts) // 2], "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "extra_kb": peak_extra}))
 """
 
 
 def bench_logprob(N, V):
     """Each variant in a fresh process: forward + backward, median time and peak RSS."""
     res = {}
-    for kind in ("parallel", "naive"):
+    for kind in ("parallel", "whole", "naive", "fwd_chunked", "fwd_whole"):
         p = subprocess.run([sys.executable, "-c", _LOGPROB_CHILD, kind, str(N), str(V)], capture_output=True,
                            text=True, check=True)
         res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
@@ -90,7 +103,10 @@ def bench_logprob(N, V):
     z = torch.randn(256, V, dtype=torch.float64)
     y = torch.randint(0, V, (256,))
     diff = (log_probs_from_logits(z, y) - log_probs_reference(z, y)).abs().max().item()
-    return res, diff
+    z = torch.randn(3000, 512)
+    y = torch.randint(0, 512, (3000,))
+    chunked = log_probs_from_logits(z, y, chunk_tokens=1024) - log_probs_from_logits(z, y, chunk_tokens=None)
+    return res, diff, chunked.abs().max().item()
 
 
 def main():
@@ -102,7 +118,7 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     g = bench_gae(B, T, reps)
-    lp, lp_diff = bench_logprob(N, V)
+    lp, lp_diff, chunk_diff = bench_logprob(N, V)
     logits_mb = N * V * 4 / 2**20
 
     print(f"GAE  B={B} T={T} float32, threads={torch.get_num_threads()} (median of {reps}, after 10 warm-up calls)")
@@ -113,11 +129,13 @@ def main():
         print(f"{name:<8} {x['t_ref']:>16.4f} {x['t_fast']:>10.4f} {x['t_ref'] / x['t_fast']:>8.1f} "
               f"{x['diff']:>11.2e} {x['rel']:>9.1e}")
     print(f"first gae call in a fresh process: {g['first_call']:.4f} s")
-    print(f"\nlog-prob fwd+bwd  N={N} tokens V={V} float32 (logits {logits_mb:.0f} MiB), fresh process each")
-    print(f"{'variant':<22} {'time s':>8} {'peak RSS MiB':>13}")
-    for kind, label in (("parallel", "vocab-parallel (TP=1)"), ("naive", "naive log_softmax")):
-        print(f"{label:<22} {lp[kind]['t']:>8.4f} {lp[kind]['rss_kb'] / 1024:>13.0f}")
-    print(f"max |diff| vs naive (float64): {lp_diff:.1e}")
+    print(f"\nlog-prob + entropy fwd+bwd  N={N} tokens V={V} float32 (logits {logits_mb:.0f} MiB), fresh process each")
+    print(f"{'variant':<34} {'time s':>8} {'peak RSS MiB':>13} {'above logits MiB':>17}")
+    for kind, label in (("parallel", "fused, 1024-token chunks"), ("whole", "two kernels, whole batch"),
+                        ("naive", "naive log_softmax"), ("fwd_chunked", "forward only, 1024-token chunks"),
+                        ("fwd_whole", "forward only, whole batch")):
+        print(f"{label:<34} {lp[kind]['t']:>8.4f} {lp[kind]['rss_kb'] / 1024:>13.0f} {lp[kind]['extra_kb'] / 1024:>17.0f}")
+    print(f"max |diff| vs naive (float64): {lp_diff:.1e}; chunked vs whole batch (float32): {chunk_diff:.1e}")
 
     figures = {
         "gae_ref_s": round(g["padded"]["t_ref"], 4),
@@ -133,6 +151,12 @@ def main():
         "logprob_parallel_peak_rss_mib": round(lp["parallel"]["rss_kb"] / 1024),
         "logprob_naive_peak_rss_mib": round(lp["naive"]["rss_kb"] / 1024),
         "logprob_max_abs_diff": float(f"{lp_diff:.3g}"),
+        "logprob_whole_batch_s": round(lp["whole"]["t"], 4),
+        "logprob_chunked_extra_mib": round(lp["parallel"]["extra_kb"] / 1024),
+        "logprob_whole_batch_extra_mib": round(lp["whole"]["extra_kb"] / 1024),
+        "logprob_chunked_vs_whole_max_abs_diff": float(f"{chunk_diff:.3g}"),
+        "logprob_forward_chunked_extra_mib": round(lp["fwd_chunked"]["extra_kb"] / 1024),
+        "logprob_forward_whole_batch_extra_mib": round(lp["fwd_whole"]["extra_kb"] / 1024),
     }
     print(json.dumps(figures))
 

@@ -9,7 +9,8 @@
 #   ACTOR_LR CRITIC_LR ROLLOUT_TP ROLLOUT_N ADV_ESTIMATOR TOTAL_EPOCHS SAVE_FREQ TEST_FREQ
 #   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
 #   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
-#   DRY_RUN=1 (print the resolved config and rank layout, start nothing)  PYTHON
+#   DRY_RUN=1 (print the resolved config, rank layout and memory plan; start nothing)
+#   GPU_MEMORY_GB (the plan's GPU size; default trainer.gpu_memory_gb, else the device's, else 80)  PYTHON
 set -euo pipefail
 
 MEGAPPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +22,10 @@ fi
 : "${CRITIC_TP:=$ACTOR_TP}" "${CRITIC_PP:=$ACTOR_PP}" "${CRITIC_MODEL_PATH:=$MODEL_PATH}"
 # megatron overlaps TP communication with compute only when kernels are issued in order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# Expandable segments: micro-batches of varying length do not fragment the trainer's memory next
+# to vLLM's pool (vLLM's sleep-mode allocator turns them off around that pool). A user's own
+# setting wins; megappo.launch.ray gives Ray ranks the same (ALLOC_CONF).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 megappo_fail() { echo "megappo launch: $*" >&2; exit 2; }
 
@@ -68,7 +73,13 @@ megappo_launch() {
   megappo_args
   local cfg=(--config "$PARALLEL_CONFIG")
   if [[ "$DRY_RUN" == 1 ]]; then
-    exec "$PYTHON" -m megappo.train "${cfg[@]}" --dry-run "${MEGAPPO_ARGS[@]}" "$@"
+    # the resolved config and layout, then the memory plan (per stage and phase, against
+    # GPU_MEMORY_GB or trainer.gpu_memory_gb); a plan that does not fit is reported, not fatal
+    "$PYTHON" -m megappo.train "${cfg[@]}" --dry-run "${MEGAPPO_ARGS[@]}" "$@"
+    local rc=0
+    "$PYTHON" -m megappo.plan "${cfg[@]}" "${MEGAPPO_ARGS[@]}" ${GPU_MEMORY_GB:+trainer.gpu_memory_gb=$GPU_MEMORY_GB} "$@" || rc=$?
+    (( rc <= 1 )) || exit "$rc"
+    exit 0
   fi
   case "$LAUNCHER" in
     torchrun)

@@ -27,8 +27,15 @@ def build_engine(cfg: PPOConfig):
         os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
         dtype="float32" if tr.device == "cpu" else ro.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
         max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
-        gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=enforce_eager(cfg),
         free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed)
+
+
+def enforce_eager(cfg: PPOConfig) -> bool:
+    """rollout.enforce_eager, or by default: CUDA graphs on GPU, eager on CPU."""
+    eager = cfg.actor_rollout_ref.rollout.enforce_eager
+    return eager if eager is not None else cfg.trainer.device == "cpu"
 
 
 def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,

@@ -168,7 +168,7 @@ class PlanOptions:
     vllm_sleeps: bool = True
     micro_batches: int = 1               # micro-batches per mini-batch (bounds the in-flight count)
     lean_logits: bool = True             # chunked log-prob/entropy kernel
-    logits_chunk_tokens: int = 4096
+    logits_chunk_tokens: int = 1024             # megappo.distributed.LOGITS_CHUNK_TOKENS
     actor: RoleOptions = field(default_factory=RoleOptions)
     critic: RoleOptions = field(default_factory=lambda: RoleOptions(present=False))
     ref: RoleOptions = field(default_factory=lambda: RoleOptions(present=False, trains=False))
@@ -331,11 +331,24 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     micro = (max(1, samples_per_rank * seq // max(1, actor.train_tokens)) if act.use_dynamic_bsz
              else max(1, samples_per_rank // (act.ppo_micro_batch_size_per_gpu or 1)))
     gpu = gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb
+    if gpu is None:
+        gpu = device_memory_gb() or 80.0
     return PlanOptions(
         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), sequence_parallel=m.sequence_parallel,
-        param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu or 80.0),
+        param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
         vllm_fraction=ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine, micro_batches=micro,
         actor=actor, critic=critic, ref=ref)
+
+
+def device_memory_gb() -> Optional[float]:
+    """This machine's GPU memory in GiB (the first device), or None without one."""
+    try:
+        import torch
+    except ImportError:   # pragma: no cover - torch is a dependency
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GiB
 
 
 # Settings the planner may suggest, cheapest first: (label, change of PlanOptions, the overrides).

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 
 from megappo import algo
-from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, log_probs_reference
+from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
+                                 log_probs_reference)
 
 from harness import spawn
 
@@ -30,14 +31,22 @@ def _vocab_parallel_worker(rank, world, vocab, padded):
     ref_h = algo.entropy_from_logits(ref_in[..., :vocab])
     ref_g, = torch.autograd.grad((ref_lp * grad_lp).sum() + (ref_h * grad_h).sum(), ref_in)
 
-    shard = full[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-    lp = log_probs_from_logits(shard, labels, dist.group.WORLD, vocab_size=vocab)
-    h = entropy_from_vocab_parallel_logits(shard, dist.group.WORLD, vocab_size=vocab)
-    g_shard, = torch.autograd.grad((lp * grad_lp).sum() + (h * grad_h).sum(), shard)
-
-    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
-    torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
-    torch.testing.assert_close(g_shard, ref_g[..., rank * v_local:(rank + 1) * v_local], atol=1e-12, rtol=0)
+    # chunks of 4 of the 21 tokens (the last one partial), and the whole batch at once: same bits
+    results = []
+    for chunk in (None, 4):
+        shard = full[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        lp = log_probs_from_logits(shard, labels, dist.group.WORLD, vocab_size=vocab, chunk_tokens=chunk)
+        h = entropy_from_vocab_parallel_logits(shard, dist.group.WORLD, vocab_size=vocab, chunk_tokens=chunk)
+        g_shard, = torch.autograd.grad((lp * grad_lp).sum() + (h * grad_h).sum(), shard)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+        torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
+        torch.testing.assert_close(g_shard, ref_g[..., rank * v_local:(rank + 1) * v_local], atol=1e-12, rtol=0)
+        results.append((lp, h, g_shard))
+        shard = full[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        lp, h = log_probs_and_entropy(shard, labels, dist.group.WORLD, vocab_size=vocab, chunk_tokens=chunk)
+        g_shard, = torch.autograd.grad((lp * grad_lp).sum() + (h * grad_h).sum(), shard)
+        results.append((lp, h, g_shard))
+    assert all(torch.equal(x, y) for r in results[1:] for x, y in zip(results[0], r))
 
 
 @pytest.mark.parametrize("world, vocab, padded", [(2, 50, 50), (2, 45, 48), (4, 61, 64)])

@@ -69,7 +69,7 @@ VERL_DEFAULTS = {
     "actor_rollout_ref.rollout.top_k": -1,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
-    "actor_rollout_ref.rollout.enforce_eager": True,
+    "actor_rollout_ref.rollout.enforce_eager": None,   # verl: true; megappo: CUDA graphs on GPU, eager on CPU (4/7)
     "actor_rollout_ref.rollout.free_cache_engine": True,
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 16384,
     "actor_rollout_ref.rollout.val_kwargs.temperature": 0.0,

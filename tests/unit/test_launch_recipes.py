@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +61,35 @@ def test_qwen3_8b_dry_run_shows_the_layout_for_the_given_nodes():
     assert "# layout: world=16 (2 node(s) x 8) | train: TP=2 PP=2 DP=4 | rollout: TP=2 DP=8" in p.stdout
     p = _dry("qwen3_32b.sh")
     assert "train: TP=8 PP=2 VPP=2 DP=2" in p.stdout, p.stderr
+
+
+PLANNED = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+           "actor_rollout_ref.model.path", "actor_rollout_ref.actor.ppo_mini_batch_size",
+           "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+           "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+           "actor_rollout_ref.rollout.max_num_batched_tokens", "critic.ppo_max_token_len_per_gpu",
+           "actor_rollout_ref.actor.megatron", "critic.megatron", "actor_rollout_ref.ref.megatron", "trainer.nnodes",
+           "trainer.n_gpus_per_node"]
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b"])
+def test_dry_run_plans_the_job_the_recipe_yaml_describes(recipe):
+    """DRY_RUN=1 prints the memory plan; what the launch script resolves equals what its
+    parallel_configs YAML alone gives (so `python -m megappo.plan --config <yaml>` plans the job)."""
+    from megappo.config import get, load_config, to_dict
+
+    p = _dry(f"{recipe}.sh", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    assert "memory plan:" in p.stdout and "80 GiB per GPU" in p.stdout and ": FITS" in p.stdout, p.stdout
+    launched, alone = _config(p.stdout), load_config([], [str(REPO / "parallel_configs" / f"{recipe}.yaml")])
+    for key in PLANNED:
+        node = launched
+        for part in key.split("."):
+            node = node[part]
+        want = get(alone, key)
+        want = to_dict(want) if hasattr(want, "__dataclass_fields__") else want
+        assert node == want, (key, node, want)
 
 
 def test_ray_launcher_rank_plan_keeps_nodes_contiguous():

@@ -125,3 +125,17 @@ def test_cli_errors_name_the_problem():
     assert r.returncode == 2 and "no config.json for model '/nope/Llama-70B'" in r.stderr, r.stderr
     r = _plan_cli("trainer.gpu_memory_gb=abc")
     assert r.returncode == 2 and "trainer.gpu_memory_gb" in r.stderr, r.stderr
+
+
+def test_defaults_follow_the_kernels_and_the_device(monkeypatch):
+    from megappo.config import load_config
+    from megappo.distributed import LOGITS_CHUNK_TOKENS
+
+    assert P.PlanOptions().logits_chunk_tokens == LOGITS_CHUNK_TOKENS
+    cfg = load_config([], [str(ROOT / "parallel_configs" / "qwen3_8b.yaml")])
+    monkeypatch.setattr(P, "device_memory_gb", lambda: None)
+    assert P.options_from_config(cfg).gpu_memory_gb == 80.0          # no GPU here: 80 GiB
+    monkeypatch.setattr(P, "device_memory_gb", lambda: 139.8)
+    assert P.options_from_config(cfg).gpu_memory_gb == 139.8         # the device's
+    cfg.trainer.gpu_memory_gb = 40.0
+    assert P.options_from_config(cfg).gpu_memory_gb == 40.0          # the config wins

@@ -186,3 +186,13 @@ def test_verl_memory_keys_are_settings():
     assert recompute_settings(arr.ref.megatron, True) is None     # forward only
     assert recompute_settings(arr.actor.megatron, False) is None
 
+
+
+def test_cuda_graphs_by_default_on_gpu_eager_on_cpu():
+    from megappo.builders import enforce_eager
+    from megappo.config import load_config
+
+    assert enforce_eager(load_config([])) is False                     # trainer.device=cuda
+    assert enforce_eager(load_config([], ["tiny_cpu"])) is True
+    assert enforce_eager(load_config(["actor_rollout_ref.rollout.enforce_eager=True"])) is True
+    assert enforce_eager(load_config(["actor_rollout_ref.rollout.enforce_eager=False"], ["tiny_cpu"])) is False

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megappo import algo
-from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, log_probs_reference
+from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
+                                 log_probs_reference)
 
 
 @pytest.mark.parametrize("vocab, padded", [(37, 37), (37, 40)])
@@ -39,3 +40,45 @@ def test_bf16_logits_computed_in_float32():
     lp = log_probs_from_logits(z.bfloat16(), y)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, log_probs_reference(z.bfloat16().float(), y), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_kernels_equal_the_whole_batch_form(dtype):
+    """The fp32 work in chunks of tokens (LOGITS_CHUNK_TOKENS; 5 here, the last chunk partial)
+    gives exactly the values and gradients of the one-shot form."""
+    g = torch.Generator().manual_seed(2)
+    z = (torch.randn(3, 9, 64, generator=g) * 4).to(dtype)
+    y = torch.randint(0, 60, (3, 9), generator=g)
+    w = torch.randn(3, 9, generator=g)
+    out = []
+    for chunk in (None, 5, 1000):
+        x = z.clone().requires_grad_(True)
+        lp = log_probs_from_logits(x, y, vocab_size=60, chunk_tokens=chunk)
+        h = entropy_from_vocab_parallel_logits(x, vocab_size=60, chunk_tokens=chunk)
+        grad, = torch.autograd.grad((lp * w).sum() + (h * w).sum(), x)
+        assert grad.dtype == dtype and lp.shape == y.shape == h.shape
+        out.append((lp, h, grad))
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_fused_log_probs_and_entropy_equal_the_separate_kernels(chunk):
+    """One function, one gradient: the same bits as the two kernels whose gradients autograd adds
+    (float32), so switching the actor to it changes no metric."""
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(2, 7, 50, generator=g) * 3
+    y = torch.randint(0, 47, (2, 7), generator=g)
+    w1, w2 = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+    a = z.clone().requires_grad_(True)
+    lp, h = log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)
+    ga, = torch.autograd.grad((lp * w1).sum() + (h * w2).sum(), a)
+    b = z.clone().requires_grad_(True)
+    lp2 = log_probs_from_logits(b, y, vocab_size=47, chunk_tokens=chunk)
+    h2 = entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk)
+    gb, = torch.autograd.grad((lp2 * w1).sum() + (h2 * w2).sum(), b)
+    assert torch.equal(lp, lp2) and torch.equal(h, h2) and torch.equal(ga, gb)
+    # only one of the two outputs used
+    gc, = torch.autograd.grad((log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)[1] * w2).sum(), a)
+    gd, = torch.autograd.grad((entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk) * w2).sum(), b)
+    torch.testing.assert_close(gc, gd, atol=1e-7, rtol=0)

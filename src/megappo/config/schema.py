@@ -162,7 +162,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = _f(2, "vLLM tensor-parallel size, independent of the training layout.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of TOTAL accelerator memory vLLM may use (weights + KV cache).")
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "vLLM compute dtype.")
-    enforce_eager: bool = _f(True, "Run vLLM eagerly: no CUDA graphs on GPU, no torch.compile on CPU (false: ~15% faster CPU decoding after ~30 s of compilation, measured in benchmarks/rollout.py).")
+    enforce_eager: Optional[bool] = _f(None, "Run vLLM eagerly (no CUDA graphs / torch.compile). null (megappo's default, verl's is true): false on GPU, where CUDA graphs speed up decoding, true on CPU, where compilation costs ~30 s at start for ~15% faster decoding (benchmarks/rollout.py).")
     free_cache_engine: bool = _f(True, "Free vLLM's KV cache and weights while training (sleep/wake; a no-op on CPU).")
     max_num_batched_tokens: int = _f(8192, "vLLM scheduler token budget per step.")
     max_num_seqs: int = _f(1024, "vLLM's maximum concurrent sequences.")

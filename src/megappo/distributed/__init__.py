@@ -4,6 +4,8 @@ with the math in :mod:`megappo.algo` (their ``group=``/``dp_group=`` arguments).
 Process groups are always arguments; nothing here reads megatron's global parallel state.
 """
 from .device import host_dp_group, module_device, process_device
-from .vocab_parallel import entropy_from_vocab_parallel_logits, log_probs_from_logits, log_probs_reference
+from .vocab_parallel import (LOGITS_CHUNK_TOKENS, entropy_from_vocab_parallel_logits, log_probs_and_entropy,
+                             log_probs_from_logits, log_probs_reference)
 
-__all__ = ["process_device", "module_device", "host_dp_group", "log_probs_from_logits", "entropy_from_vocab_parallel_logits", "log_probs_reference"]
+__all__ = ["process_device", "module_device", "host_dp_group", "log_probs_from_logits", "entropy_from_vocab_parallel_logits", "log_probs_reference",
+           "log_probs_and_entropy", "LOGITS_CHUNK_TOKENS"]

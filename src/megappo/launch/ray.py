@@ -37,6 +37,12 @@ def rank_plan(bundle_nodes: list[str], node_ips: dict[str, str]) -> list[dict]:
     return plan
 
 
+# PyTorch's allocator for the trainer on GPU: expandable segments grow and shrink in place, so
+# megatron's micro-batches of varying length do not fragment memory next to vLLM's pool (vLLM's
+# sleep-mode allocator turns them off around its own pool, vllm/device_allocator/cumem.py).
+ALLOC_CONF = "expandable_segments:True"
+
+
 def rank_env(rank: int, entry: dict, world: int, master_ip: str, master_port: int, device: str) -> dict:
     """The variables a rank's trainer process gets over its actor's environment (they win): what
     torchrun gives a rank, and on GPU what launch/common.sh exports for the torchrun/SLURM paths.
@@ -49,6 +55,8 @@ def rank_env(rank: int, entry: dict, world: int, master_ip: str, master_port: in
         # Set, not defaulted, as common.sh does: Ray workers do not inherit the driver's shell, and
         # megatron's overlap is built for this value.
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        # the training side's allocator (see launch/common.sh): the driver's own setting, if any
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     return env
 
 

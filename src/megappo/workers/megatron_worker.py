@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.distributed import entropy_from_vocab_parallel_logits, log_probs_from_logits, module_device
+from megappo.distributed import log_probs_and_entropy, log_probs_from_logits, module_device
 
 from .batching import fit_to_multiple, micro_batch_groups
 from .offload import StateOffload
@@ -250,11 +250,10 @@ class Actor(MegatronWorker):
 
     def _log_probs(self, output, ids, mb, with_entropy: bool):
         logits = output[:, :-1]
-        lp = self._response_gather(log_probs_from_logits(logits, ids[:, 1:], self.tp_group, self.vocab_size), mb)
-        ent = None
-        if with_entropy:
-            ent = self._response_gather(entropy_from_vocab_parallel_logits(logits, self.tp_group, self.vocab_size), mb)
-        return lp, ent
+        if not with_entropy:
+            return self._response_gather(log_probs_from_logits(logits, ids[:, 1:], self.tp_group, self.vocab_size), mb), None
+        lp, ent = log_probs_and_entropy(logits, ids[:, 1:], self.tp_group, self.vocab_size)
+        return self._response_gather(lp, mb), self._response_gather(ent, mb)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                          max_token_len: Optional[int] = None) -> torch.Tensor:
