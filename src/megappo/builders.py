@@ -82,6 +82,19 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
                 lr_decay_steps=total_steps, lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
 
 
+def packing(requested: bool, chunks, key: Optional[str]) -> bool:
+    """Whether a role packs its micro-batches: use_remove_padding and TransformerEngine's layer
+    spec (THD attention). Requested on the local spec (CPU), it is said once and ignored."""
+    from megappo.models import uses_te
+
+    if requested and not uses_te(chunks):
+        if key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"megappo: {key}=true needs TransformerEngine's layer spec (THD attention); this model uses "
+                  "megatron's local spec, so its micro-batches stay padded", flush=True)
+        return False
+    return requested
+
+
 def _set_offload(worker, mc: MegatronConfig) -> None:
     """megatron.param_offload / grad_offload / optimizer_offload of a training role."""
     worker.set_offload(params=mc.param_offload, grads=mc.grad_offload, optimizer=mc.optimizer_offload)
@@ -97,6 +110,7 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
     _set_offload(actor, arr.actor.megatron)
+    actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding")
     return info, actor
 
 
@@ -111,6 +125,7 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int):
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device)
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
     ref.set_offload(params=arr.ref.megatron.param_offload)
+    ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None)   # the actor's model section
     return ref
 
 
@@ -126,6 +141,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)
+    critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding")
     return critic
 
 

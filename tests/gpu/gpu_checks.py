@@ -303,6 +303,39 @@ def check_actor_log_probs(root, device: torch.device, dtype: torch.dtype, use_te
         (fig["logprob_max_abs_diff_micro_vs_token_budget"] < 0.05, "micro-batch split changes the log-probs")])
 
 
+def check_packed_log_probs(root, device: torch.device, dtype: torch.dtype) -> dict:
+    """Sequence packing (use_remove_padding, THD on TransformerEngine's spec): the packed
+    forward's log-probs, values and one update's losses equal the padded path's within bf16
+    rounding (the packed GEMMs have other shapes), and the packed pass computes fewer tokens."""
+    import time
+
+    dirs = model_dirs(root)
+    batch = make_batch(0)
+    out = {}
+    for packed in (False, True):
+        actor = make_actor(dirs["policy"], device, dtype, True)
+        critic = make_critic(dirs["policy"], device, dtype, True)
+        actor.pack_sequences = critic.pack_sequences = packed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lp = actor.compute_log_prob(batch, max_token_len=300)
+        torch.cuda.synchronize()
+        out[packed] = dict(lp=lp, values=critic.compute_values(batch, max_token_len=300), s=time.perf_counter() - t0)
+    m = batch.response_mask
+    d_lp = (_masked(out[True]["lp"], m) - _masked(out[False]["lp"], m)).abs()
+    d_v = (_masked(out[True]["values"], m) - _masked(out[False]["values"], m)).abs()
+    tokens = int((batch.prompt_lengths + m.sum(-1)).sum())
+    fig = {"check": "packed_log_probs", "spec": "te", "dtype": str(dtype).split(".")[-1],
+           "logprob_max_abs_diff_packed_vs_padded": float(d_lp.max()), "value_max_abs_diff_packed_vs_padded": float(d_v.max()),
+           "tokens": tokens, "padded_s": out[False]["s"], "packed_s": out[True]["s"],
+           "padded_tokens_per_s": tokens / out[False]["s"], "packed_tokens_per_s": tokens / out[True]["s"]}
+    return finish(fig, [
+        (fig["logprob_max_abs_diff_packed_vs_padded"] < (1e-4 if dtype == torch.float32 else 0.05),
+         "packed log-probs differ from the padded forward's"),
+        (fig["value_max_abs_diff_packed_vs_padded"] < (1e-4 if dtype == torch.float32 else 0.05),
+         "packed values differ from the padded forward's")])
+
+
 # -- 2. one policy and one critic update ---------------------------------------------------------
 LR = 2e-4
 

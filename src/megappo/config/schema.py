@@ -63,6 +63,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id found in the local HF cache.")
+    use_remove_padding: bool = _f(False, "Sequence packing: each micro-batch's sequences end to end in one row (THD), no compute on padding. Needs TransformerEngine's layer spec (GPU); with the local spec (CPU) micro-batches stay padded and a warning says so.")
     enable_gradient_checkpointing: bool = _f(False, "verl's switch for activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise.")
 
 
@@ -192,6 +193,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from; defaults to the actor's.")
     value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
+    use_remove_padding: bool = _f(False, "As actor_rollout_ref.model.use_remove_padding, for the critic.")
     enable_gradient_checkpointing: bool = _f(False, "As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic.")
 
 

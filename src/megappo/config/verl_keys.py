@@ -34,8 +34,6 @@ def _truthy(v: Any) -> bool:
 
 RULES: list[tuple[str, Rule]] = [
     # accepted: what megappo does anyway, or a no-op until the feature lands
-    ("actor_rollout_ref.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
-    ("critic.model.use_remove_padding", _when(_truthy, "warn", "has no effect yet: megappo pads each micro-batch to its longest sample (sequence packing arrives with issue 4/7)")),
     ("actor_rollout_ref.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
     ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
     ("*.megatron.dist_checkpointing_path", lambda v: None),

@@ -174,7 +174,9 @@ def _maps_for(desc: ModelDesc, te: bool, local: dict) -> dict[str, ParamMap]:
 
 
 def _te(chunks, te: Optional[bool]) -> bool:
-    return bool(te) if te is not None else any(getattr(c, "megappo_te_spec", False) for c in chunks)
+    from megappo.models.layers import uses_te
+
+    return bool(te) if te is not None else uses_te(chunks)
 
 
 @torch.no_grad()

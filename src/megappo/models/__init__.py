@@ -2,8 +2,8 @@
 from .build import build_model, initialize_parallel, parallel_ranks
 from .hf import (SUPPORTED_ARCHITECTURES, HFModelInfo, ModelConfigError, describe, load_hf_config, padded_vocab_size,
                  transformer_config)
-from .layers import QKRMSNorm, RMSNorm, ValueHead, layer_spec, te_available
+from .layers import QKRMSNorm, RMSNorm, ValueHead, layer_spec, te_available, uses_te
 
-__all__ = ["build_model", "initialize_parallel", "parallel_ranks", "SUPPORTED_ARCHITECTURES", "HFModelInfo",
+__all__ = ["uses_te", "build_model", "initialize_parallel", "parallel_ranks", "SUPPORTED_ARCHITECTURES", "HFModelInfo",
            "ModelConfigError", "describe", "load_hf_config", "padded_vocab_size", "transformer_config",
            "RMSNorm", "QKRMSNorm", "ValueHead", "layer_spec", "te_available"]

@@ -70,6 +70,11 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
+def uses_te(chunks) -> bool:
+    """Whether model chunks were built with TransformerEngine's layer spec (build_model marks them)."""
+    return any(getattr(c, "megappo_te_spec", False) for c in chunks)
+
+
 def te_available() -> bool:
     """Whether megatron itself can use TransformerEngine. A broken TE install still imports
     (its ``__init__`` swallows the error) while megatron's own import of TE's pieces fails and

@@ -23,6 +23,7 @@ from megappo.distributed import log_probs_and_entropy, log_probs_from_logits, mo
 
 from .batching import fit_to_multiple, micro_batch_groups
 from .offload import StateOffload
+from .packing import Packed, pack
 
 __all__ = ["MegatronWorker", "Actor", "Critic"]
 
@@ -95,6 +96,8 @@ class MegatronWorker:
                 start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
         self.chunks = list(chunks)
         self.state_offload = StateOffload(self)   # nothing offloaded unless set_offload() says so
+        # Sequence packing (THD): only with TransformerEngine's layer spec (builders decide)
+        self.pack_sequences = False
 
     def set_offload(self, *, params: bool = False, grads: bool = False, optimizer: bool = False) -> None:
         """What to move off the device while idle (megatron.param_offload/grad_offload/
@@ -112,21 +115,46 @@ class MegatronWorker:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         pad = self.tp if self.config.sequence_parallel else 1
-        seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
+        if self.pack_sequences:
+            seqs = self._pack(micro_batches, pad)
+        else:
+            seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
         data = list(zip(micro_batches, seqs))
 
         def forward_step(data_iterator, model):
             mb, ids = self._to_device(*next(data_iterator))
-            pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
-            out = model(ids, pos, attention_mask=None)
+            if isinstance(ids, Packed):
+                out = model(ids.ids, ids.position_ids, attention_mask=None, packed_seq_params=ids.params())
+            else:
+                pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+                out = model(ids, pos, attention_mask=None)
             return out, partial(loss_fn, mb, ids)
 
         its = [iter(data) for _ in self.ddp_chunks] if len(self.ddp_chunks) > 1 else iter(data)
+        width = [s.ids.shape[1] if isinstance(s, Packed) else s.shape[1] for s in seqs]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=its,
             model=self.ddp_chunks if len(self.ddp_chunks) > 1 else self.ddp_chunks[0], num_microbatches=len(data),
-            seq_length=max(s.shape[1] for s in seqs), micro_batch_size=micro_batches[0].input_ids.shape[0],
+            seq_length=max(width), micro_batch_size=1 if self.pack_sequences else micro_batches[0].input_ids.shape[0],
             forward_only=forward_only)
+
+    def _pack(self, micro_batches: list[RolloutBatch], align: int) -> list[Packed]:
+        """Each micro-batch as one packed row; under VPP all of one length (one p2p shape)."""
+        lengths = [(mb.prompt_lengths + mb.response_mask.sum(-1).long()).clamp(min=1).tolist() for mb in micro_batches]
+        packs = [pack(mb.input_ids, n, self.pad_token_id, align) for mb, n in zip(micro_batches, lengths)]
+        if len(self.ddp_chunks) > 1:
+            total = max(p.ids.shape[1] for p in packs)
+            packs = [pack(mb.input_ids, n, self.pad_token_id, align, total=total) for mb, n in zip(micro_batches, lengths)]
+        return packs
+
+    @staticmethod
+    def _next_token(output: torch.Tensor, ids):
+        """(logits, labels, to_rows) of next-token prediction: the padded layout's positions
+        0..S-2, or every packed position, with ``to_rows`` mapping per-position values back to
+        the padded (B, S-1) layout."""
+        if isinstance(ids, Packed):
+            return output, ids.next_ids, lambda x: ids.rows(x, ids.width - 1)
+        return output[:, :-1], ids[:, 1:], lambda x: x
 
     def _to_device(self, mb: RolloutBatch, ids: torch.Tensor) -> tuple[RolloutBatch, torch.Tensor]:
         """The worker boundary: one micro-batch on the device at a time (its loss closure keeps
@@ -249,11 +277,12 @@ class Actor(MegatronWorker):
         self.vocab_size = vocab_size
 
     def _log_probs(self, output, ids, mb, with_entropy: bool):
-        logits = output[:, :-1]
+        logits, labels, rows = self._next_token(output, ids)
         if not with_entropy:
-            return self._response_gather(log_probs_from_logits(logits, ids[:, 1:], self.tp_group, self.vocab_size), mb), None
-        lp, ent = log_probs_and_entropy(logits, ids[:, 1:], self.tp_group, self.vocab_size)
-        return self._response_gather(lp, mb), self._response_gather(ent, mb)
+            lp = log_probs_from_logits(logits, labels, self.tp_group, self.vocab_size)
+            return self._response_gather(rows(lp), mb), None
+        lp, ent = log_probs_and_entropy(logits, labels, self.tp_group, self.vocab_size)
+        return self._response_gather(rows(lp), mb), self._response_gather(rows(ent), mb)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                          max_token_len: Optional[int] = None) -> torch.Tensor:
@@ -297,19 +326,20 @@ class Actor(MegatronWorker):
 class Critic(MegatronWorker):
     """Value model: a GPTModel whose output layer is megappo.models.ValueHead."""
 
-    def _values(self, output, mb) -> torch.Tensor:
-        return self._response_gather(output[:, :-1, 0].float(), mb)
+    def _values(self, output, ids, mb) -> torch.Tensor:
+        per_position, _, rows = self._next_token(output[..., 0].float(), ids)
+        return self._response_gather(rows(per_position), mb)
 
     def compute_values(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                        max_token_len: Optional[int] = None) -> torch.Tensor:
-        return self._forward(batch, micro_batch_size, max_token_len, lambda output, ids, mb: self._values(output, mb))
+        return self._forward(batch, micro_batch_size, max_token_len, lambda output, ids, mb: self._values(output, ids, mb))
 
     def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None, ppo_epochs: int = 1,
                       loss: algo.ValueLossSpec = algo.ValueLossSpec()) -> dict:
         def make_loss(norm):
             def loss_fn(mb, ids, output):
-                vf, clipfrac = algo.value_loss(self._values(output, mb), mb.returns, mb.values, mb.response_mask,
+                vf, clipfrac = algo.value_loss(self._values(output, ids, mb), mb.returns, mb.values, mb.response_mask,
                                                cliprange_value=loss.cliprange_value, loss_agg_mode=loss.loss_agg_mode,
                                                norm_factor=loss.norm_factor, **norm)
                 share = mb.response_mask.sum() / norm["global_tokens"]
@@ -334,8 +364,11 @@ class RewardModel(Critic):
         on that token; zero elsewhere (and for empty responses)."""
         def per_sample(output, ids, mb):
             n = mb.response_mask.sum(-1).long()
-            last = (mb.prompt_lengths + n - 1).clamp(max=output.shape[1] - 1)
-            score = output[:, :, 0].float().gather(1, last[:, None])
+            per_position = output[..., 0].float()
+            if isinstance(ids, Packed):
+                per_position = ids.rows(per_position)
+            last = (mb.prompt_lengths + n - 1).clamp(max=per_position.shape[1] - 1)
+            score = per_position.gather(1, last[:, None])
             tls = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=score.device)
             tls.scatter_(1, (n - 1).clamp(min=0)[:, None], score)
             return tls * mb.response_mask.to(tls.device)
