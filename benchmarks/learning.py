@@ -12,6 +12,7 @@ Methods (tuned settings each; see MEGAPPO and TRL_ARGS):
          mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
   gae    megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
   grpo   megappo GRPO (no critic), n=8
+  gspo, cispo, sapo   GRPO's advantages and settings with another policy loss (--methods to pick them)
   trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv, which a full
          run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV to put it elsewhere);
          --quick skips TRL, saying so, when the venv is missing
@@ -52,7 +53,12 @@ MEGAPPO = {
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3"],
 }
-SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256}
+# Other policy losses (actor.policy_loss.loss_mode) on GRPO's advantages and settings; GSPO with
+# its paper's clip ranges (its ratio is a per-token mean, so they are ~1000x smaller than PPO's).
+for _mode, _extra in (("gspo", ["actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"]),
+                      ("cispo", ["actor_rollout_ref.actor.clip_ratio_high=4.0"]), ("sapo", [])):
+    MEGAPPO[_mode] = MEGAPPO["grpo"] + [f"actor_rollout_ref.actor.policy_loss.loss_mode={_mode}", *_extra]
+SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 

@@ -170,6 +170,7 @@ def loss_specs(cfg: PPOConfig):
         clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
         clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
         clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
-        use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type, norm_factor=norm)
+        use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type, norm_factor=norm,
+        loss_mode=act.policy_loss.loss_mode, tau_pos=act.tau_pos, tau_neg=act.tau_neg)
     value = algo.ValueLossSpec(cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, norm_factor=norm)
     return policy, value

@@ -113,3 +113,36 @@ def test_lr_warmup_then_linear_decay(model_dir, tmp_path):
         lrs = json.load(f)
     want = [0.0, 5e-4, 1e-3] + [1e-3 - (1e-3 - 1e-4) * k / 4 for k in (1, 2, 3, 4)] + [1e-4]
     assert lrs == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def _loss_mode_worker(rank, world, dirs, out_file):
+    setup(1, 1)
+    from megappo.workers import Actor
+
+    batch = _global_batch()
+    out = {}
+    for mode in algo.list_policy_losses():
+        info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
+        actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=1e-3)
+        batch.old_log_prob = actor.compute_log_prob(batch, 4)
+        m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4,
+                                loss=algo.PolicyLossSpec(loss_mode=mode, clip_ratio_high=0.28))
+        # on the host, the same loss on the same tensors: before the step, log-probs = old ones
+        want, _ = algo.compute_policy_loss(mode, batch.old_log_prob, batch.old_log_prob, batch.advantages,
+                                           batch.response_mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+        out[mode] = [m["actor/pg_loss_per_minibatch"][0], float(want)]
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+
+
+def test_the_actor_uses_the_configured_policy_loss(model_dir, tmp_path):
+    """actor.policy_loss.loss_mode reaches the update: each mode's first mini-batch loss is that
+    loss on the batch (two micro-batches, global counts), and the modes differ."""
+    out = str(tmp_path / "modes.json")
+    spawn(_loss_mode_worker, 1, model_dir, out)
+    with open(out) as f:
+        got = json.load(f)
+    assert sorted(got) == algo.list_policy_losses()
+    for mode, (actor, host) in got.items():
+        assert actor == pytest.approx(host, abs=1e-5), mode
+    assert abs(got["gpg"][0] - got["vanilla"][0]) > 1e-2 and abs(got["gspo"][0] - got["vanilla"][0]) > 1e-4

@@ -435,6 +435,8 @@ RULES = [
     (["algorithm.gamma=-0.5"], {}, "algorithm.gamma", "must be in [0, 1], got -0.5"),
     (["algorithm.lam=1.5"], {}, "algorithm.lam", "must be in [0, 1], got 1.5"),
     ([A + "kl_loss_type=k4"], {}, A + "kl_loss_type", "unknown KL estimator 'k4'; supported: kl, k1"),
+    ([A + "policy_loss.loss_mode=ppo2"], {}, A + "policy_loss.loss_mode", "unknown policy loss 'ppo2'; registered: cispo, geo_mean"),
+    ([A + "tau_pos=0"], {}, A + "tau_pos", "SAPO's gate temperature must be > 0, got 0.0"),
     (["algorithm.kl_penalty=full+"], {}, "algorithm.kl_penalty", "unknown KL estimator 'full+'; supported: kl, k1"),
     (["algorithm.adv_estimator=ppo2"], {}, "algorithm.adv_estimator",
      "unknown advantage estimator 'ppo2'; registered: gae, grpo"),

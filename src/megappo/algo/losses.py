@@ -38,11 +38,15 @@ class PolicyLossSpec:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     norm_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant (max response length)
+    loss_mode: str = "vanilla"           # megappo.algo.policy_losses
+    tau_pos: float = 1.0                 # SAPO's gate temperatures
+    tau_neg: float = 1.05
 
-    def clip_kwargs(self) -> dict:
-        """The keyword arguments of :func:`policy_loss` this spec fixes."""
+    def loss_kwargs(self) -> dict:
+        """The keyword arguments of :func:`megappo.algo.compute_policy_loss` this spec fixes."""
         return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-                    clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode)
+                    clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, tau_pos=self.tau_pos,
+                    tau_neg=self.tau_neg)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,11 @@ def _inherit_megatron(cls=MegatronConfig):
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = _f("vanilla", "Policy loss: vanilla (PPO clip + dual clip), gspo (sequence-level ratio; use its small clip_ratio_low/high, e.g. 3e-4/4e-4), sapo (smooth gate, tau_pos/tau_neg), cispo (clipped importance weight, gradient on every token), gpg (plain policy gradient), geo_mean (GMPO). See megappo/algo/policy_losses.py.")
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = _f(256, "Prompts per PPO mini-batch (x rollout.n samples), global over data-parallel ranks.")
     ppo_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per forward/backward micro-batch on one rank; required unless use_dynamic_bsz.")
@@ -134,6 +139,9 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = _f(None, "Lower clip epsilon; null means clip_ratio. (verl defaults it to 0.2, which silently ignores a changed clip_ratio.)")
     clip_ratio_high: Optional[float] = _f(None, "Upper clip epsilon (DAPO's clip-higher); null means clip_ratio.")
     clip_ratio_c: float = _f(3.0, "Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens.")
+    tau_pos: float = _f(1.0, "SAPO's gate temperature for tokens with a positive advantage (policy_loss.loss_mode=sapo).")
+    tau_neg: float = _f(1.05, "SAPO's gate temperature for the other tokens.")
+    policy_loss: PolicyLossConfig = _sub(PolicyLossConfig, "Which policy loss.")
     loss_agg_mode: LossAggMode = _f("token-mean", "How token losses become the batch loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
     entropy_coeff: float = _f(0.0, "Weight of the entropy bonus.")
     use_kl_loss: bool = _f(False, "Add a KL(actor || reference) term to the actor loss (GRPO style).")

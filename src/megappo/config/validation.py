@@ -38,7 +38,8 @@ def _known(kind: str) -> list[str]:
     # Lazy: the registries live in megappo.algo (torch); the dry run pays this once.
     from megappo import algo
 
-    return {"estimator": algo.list_estimators, "kl": algo.list_kl_kinds, "agg": algo.list_loss_agg_modes}[kind]()
+    return {"estimator": algo.list_estimators, "kl": algo.list_kl_kinds, "agg": algo.list_loss_agg_modes,
+            "policy_loss": algo.list_policy_losses}[kind]()
 
 
 A = "actor_rollout_ref.actor."
@@ -208,6 +209,11 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
     for key in ("algorithm.gamma", "algorithm.lam"):
         v = get(cfg, key)
         need(0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
+    losses = _known("policy_loss")
+    need(act.policy_loss.loss_mode in losses, A + "policy_loss.loss_mode",
+         f"unknown policy loss {act.policy_loss.loss_mode!r}; registered: {', '.join(losses)}")
+    for key in ("tau_pos", "tau_neg"):
+        need(getattr(act, key) > 0, A + key, f"SAPO's gate temperature must be > 0, got {getattr(act, key)}")
     kl_kinds = _known("kl")
     need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
          f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")
