@@ -244,7 +244,9 @@ def test_reinforce_plus_plus_baseline():
     r, m, gid = outcome_batch(3)
     s = scores_of(r.tolist(), m.tolist())
     by = ref_group(s, gid.tolist())
-    centred = broadcast([si - statistics.mean(by[g]) for si, g in zip(s, gid.tolist())], m.tolist())
+    # a singleton group (one in this batch) keeps its raw score, as in verl and every group estimator here
+    centred = broadcast([si - (statistics.mean(by[g]) if len(by[g]) > 1 else 0.0) for si, g in zip(s, gid.tolist())],
+                        m.tolist())
     a, _ = algo.compute_advantages("reinforce_plus_plus_baseline", token_level_rewards=r, response_mask=m,
                                    group_index=gid)
     torch.testing.assert_close(a, T(ref_whiten(centred, m.tolist())), atol=1e-9, rtol=0)
@@ -270,13 +272,75 @@ def test_gae_estimator_whitens_advantages_not_returns(gamma, lam):
 
 
 def test_group_of_one_everywhere():
+    """A group with one sample (e.g. after filtering) keeps its raw score in every group estimator
+    (before rpp_baseline's batch whitening; gpg scales it by alpha), as in verl; Pass@k refuses it."""
     r, m, _ = outcome_batch(5, groups=(1, 1, 1))
     gid = torch.arange(3)
     s = scores_of(r.tolist(), m.tolist())
     a, _ = algo.compute_advantages("grpo", token_level_rewards=r, response_mask=m, group_index=gid)
     torch.testing.assert_close(a, T(broadcast([x / (1 + 1e-6) for x in s], m.tolist())), atol=1e-12, rtol=0)
-    a, _ = algo.compute_advantages("rloo", token_level_rewards=r, response_mask=m, group_index=gid)
-    torch.testing.assert_close(a, T(broadcast(s, m.tolist())), atol=1e-12, rtol=0)
+    for name in ("rloo", "opo", "grpo_vectorized", "rloo_vectorized"):
+        a, _ = algo.compute_advantages(name, token_level_rewards=r, response_mask=m, group_index=gid,
+                                       norm_adv_by_std_in_grpo=False)
+        torch.testing.assert_close(a, T(broadcast(s, m.tolist())), atol=1e-12, rtol=0, msg=name)
+    _, raw = algo.compute_advantages("reinforce_plus_plus_baseline", token_level_rewards=r, response_mask=m, group_index=gid)
+    torch.testing.assert_close(raw, T(broadcast(s, m.tolist())), atol=1e-12, rtol=0)
+    a, _ = algo.compute_advantages("gpg", token_level_rewards=r, response_mask=m, group_index=gid)
+    alpha = len(s) / sum(1 for x in s if x != 0)
+    torch.testing.assert_close(a, T(broadcast([alpha * x for x in s], m.tolist())), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="grpo_passk needs at least 2 samples per group; group 0 has 1"):
+        algo.compute_advantages("grpo_passk", token_level_rewards=r, response_mask=m, group_index=gid)
+
+
+def test_opo():
+    r, m, gid = outcome_batch(7)
+    s = scores_of(r.tolist(), m.tolist())
+    n = [sum(row) for row in m.tolist()]
+    ids = gid.tolist()
+    want = []
+    for i, g in enumerate(ids):
+        members = [j for j in range(len(s)) if ids[j] == g]
+        b = sum(n[j] * s[j] for j in members) / sum(n[j] for j in members) if len(members) > 1 else 0.0
+        want.append(s[i] - b)
+    a, ret = algo.compute_advantages("opo", token_level_rewards=r, response_mask=m, group_index=gid)
+    torch.testing.assert_close(a, T(broadcast(want, m.tolist())), atol=1e-9, rtol=0)
+    torch.testing.assert_close(ret, a)
+
+
+def test_gpg_estimator():
+    r, m, gid = outcome_batch(8)
+    r[0] = 0   # a sample scoring exactly 0: alpha counts the others
+    s = scores_of(r.tolist(), m.tolist())
+    by = ref_group(s, gid.tolist())
+    alpha = len(s) / sum(1 for x in s if x != 0)
+    want = [alpha * (si - (statistics.mean(by[g]) if len(by[g]) > 1 else 0.0)) for si, g in zip(s, gid.tolist())]
+    a, _ = algo.compute_advantages("gpg", token_level_rewards=r, response_mask=m, group_index=gid)
+    torch.testing.assert_close(a, T(broadcast(want, m.tolist())), atol=1e-9, rtol=0)
+    assert alpha > 1
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk(norm):
+    r, m, gid = outcome_batch(9, groups=(4, 3, 2, 2))
+    s = scores_of(r.tolist(), m.tolist())
+    ids = gid.tolist()
+    want = [0.0] * len(s)
+    for g in set(ids):
+        members = [j for j in range(len(s)) if ids[j] == g]
+        ranked = sorted(members, key=lambda j: (-s[j], j))        # ties: the first in batch order
+        best, second = ranked[0], ranked[1]
+        gap = s[best] - s[second]
+        want[best] = gap / (statistics.stdev([s[j] for j in members]) + 1e-6) if norm else gap
+    a, _ = algo.compute_advantages("grpo_passk", token_level_rewards=r, response_mask=m, group_index=gid,
+                                   norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(a, T(broadcast(want, m.tolist())), atol=1e-9, rtol=0)
+    assert sum(1 for x in want if x != 0) <= len(set(ids))
+    # a tie for the best: the first of the tied samples gets the (zero) gap, nobody else anything
+    r2 = torch.zeros(2, 3, dtype=DT)
+    r2[:, 0] = 1.0
+    a, _ = algo.compute_advantages("grpo_passk", token_level_rewards=r2, response_mask=torch.ones(2, 3, dtype=DT),
+                                   group_index=torch.tensor([7, 7]))
+    assert (a == 0).all()
 
 
 def test_registry_errors_and_extension():

@@ -178,14 +178,9 @@ def discounted_returns(token_level_rewards, response_mask, gamma: float):
 # Group statistics (GRPO / RLOO), DP-global when a group is given
 # ---------------------------------------------------------------------------------------------
 
-def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
-    """Per-sample (count, mean, unbiased std) of the sample's group.
-
-    scores (B,), group_index (B,) integer ids. With ``dp_group`` the members of a group may sit
-    on different ranks: per-id sums are all-reduced over a table keyed by the union of ids.
-    Singleton groups get std = nan-free 0 (callers decide what a singleton means).
-    """
-    s = scores.to(torch.float64)
+def _group_ids(group_index: torch.Tensor, dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted ids of every group in the batch, each sample's position in them). With
+    ``dp_group`` the ids of every rank's samples: all ranks get the same table."""
     gid = group_index.to(torch.int64)
     if dp_group is not None:
         # Agree on the set of ids: gather every rank's ids (small: one int per sample).
@@ -203,7 +198,29 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
         uniq = torch.unique(all_ids[all_ids >= 0]).to(gid.device)
     else:
         uniq = torch.unique(gid)
-    inv = torch.searchsorted(uniq, gid)
+    return uniq, torch.searchsorted(uniq, gid)
+
+
+def group_sums(columns: torch.Tensor, group_index: torch.Tensor, dp_group=None) -> torch.Tensor:
+    """(B, k) float64 -> (B, k): each sample's group totals of the k columns (over every rank's
+    samples with ``dp_group``)."""
+    uniq, inv = _group_ids(group_index, dp_group)
+    cols = columns.to(torch.float64)
+    table = torch.zeros(uniq.numel(), cols.shape[1], dtype=torch.float64, device=cols.device).index_add_(0, inv, cols)
+    if dp_group is not None:
+        dist.all_reduce(table, group=dp_group)
+    return table[inv]
+
+
+def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
+    """Per-sample (count, mean, unbiased std) of the sample's group.
+
+    scores (B,), group_index (B,) integer ids. With ``dp_group`` the members of a group may sit
+    on different ranks: per-id sums are all-reduced over a table keyed by the union of ids.
+    Singleton groups get std = nan-free 0 (callers decide what a singleton means).
+    """
+    s = scores.to(torch.float64)
+    uniq, inv = _group_ids(group_index, dp_group)
     G = uniq.numel()
     table = torch.zeros(3, G, dtype=torch.float64, device=s.device)
     table[0].index_add_(0, inv, torch.ones_like(s))
@@ -331,9 +348,11 @@ def _rpp(*, token_level_rewards, response_mask, gamma, dp_group, **_):
 
 @register_estimator("reinforce_plus_plus_baseline", group_relative=True)
 def _rpp_baseline(*, token_level_rewards, response_mask, group_index, dp_group, **_):
-    """s_i - group mean, broadcast over tokens, then whitened over the batch."""
+    """s_i - group mean (a singleton: its raw score), broadcast over tokens, then whitened over
+    the batch."""
     s = _scores(token_level_rewards, response_mask)
-    _, mean, _ = group_stats(s, group_index, dp_group)
+    cnt, mean, _ = group_stats(s, group_index, dp_group)
+    mean = torch.where(cnt <= 1, torch.zeros_like(mean), mean)
     a = _outcome(s - mean, response_mask, token_level_rewards.dtype)
     return masked_whiten(a, response_mask, group=dp_group), a
 
@@ -344,3 +363,62 @@ def _remax(*, token_level_rewards, response_mask, baseline_scores, **_):
     ret = discounted_returns(token_level_rewards, response_mask, 1.0)
     a = _zero_masked(ret - baseline_scores.to(ret.dtype)[:, None], response_mask)
     return a, ret
+
+
+@register_estimator("opo", group_relative=True)
+def _opo(*, token_level_rewards, response_mask, group_index, dp_group, **_):
+    """OPO (arXiv 2505.23585): A_i = s_i - b_g with the length-weighted group baseline
+    b_g = sum_j |y_j| s_j / sum_j |y_j| (|y| = response tokens); a singleton: b = 0."""
+    s = _scores(token_level_rewards, response_mask)
+    n = response_mask.to(torch.float64).sum(-1)
+    sums = group_sums(torch.stack([torch.ones_like(s), n * s, n], dim=1), group_index, dp_group)
+    b = torch.where(sums[:, 0] > 1, sums[:, 1] / sums[:, 2].clamp(min=1e-12), torch.zeros_like(s))
+    out = _outcome(s - b, response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+@register_estimator("gpg", group_relative=True)
+def _gpg_estimator(*, token_level_rewards, response_mask, group_index, dp_group, **_):
+    """GPG (arXiv 2504.02546): A_i = alpha (s_i - mean_g), alpha = B / #(s != 0) over the whole
+    batch (every DP rank), correcting for groups that carry no signal; a singleton: mean 0."""
+    s = _scores(token_level_rewards, response_mask)
+    cnt, mean, _ = group_stats(s, group_index, dp_group)
+    mean = torch.where(cnt <= 1, torch.zeros_like(mean), mean)
+    counts = torch.tensor([float(s.numel()), float((s != 0).sum())], dtype=torch.float64, device=s.device)
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    alpha = counts[0] / counts[1].clamp(min=1)
+    out = _outcome(alpha * (s - mean), response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+@register_estimator("grpo_passk", group_relative=True)
+def _grpo_passk(*, token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, dp_group, **_):
+    """Pass@k (arXiv 2503.19595): only each group's best sample gets an advantage,
+    r_max - r_second (divided by the group's std + 1e-6 unless norm_adv_by_std_in_grpo=false);
+    ties go to the first best sample in batch order (over DP: rank, then row). Groups need at
+    least 2 samples."""
+    s = _scores(token_level_rewards, response_mask)
+    gid = group_index.to(torch.int64)
+    rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    mine = torch.stack([gid.to(torch.float64), s, torch.full_like(s, rank), torch.arange(s.numel(), dtype=torch.float64)], 1)
+    if dp_group is not None:   # one row per sample of the batch: (group, score, rank, row)
+        parts = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(parts, mine.cpu(), group=dp_group)
+        every = torch.cat(parts).to(s.device)
+    else:
+        every = mine
+    _, _, std = group_stats(s, group_index, dp_group)
+    adv = torch.zeros_like(s)
+    for g in torch.unique(every[:, 0]).tolist():
+        members = every[every[:, 0] == g]
+        if members.shape[0] < 2:
+            raise ValueError(f"grpo_passk needs at least 2 samples per group; group {int(g)} has {members.shape[0]}")
+        order = sorted(range(members.shape[0]), key=lambda i: (-float(members[i, 1]), float(members[i, 2]), float(members[i, 3])))
+        best, second = members[order[0]], members[order[1]]
+        if int(best[2]) == rank:
+            row = int(best[3])
+            a = best[1] - second[1]
+            adv[row] = a / (std[row] + 1e-6) if norm_adv_by_std_in_grpo else a
+    out = _outcome(adv, response_mask, token_level_rewards.dtype)
+    return out, out
