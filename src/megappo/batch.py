@@ -30,6 +30,7 @@ class RolloutBatch:
     token_level_rewards: Optional[torch.Tensor] = None  # (B, T)
     advantages: Optional[torch.Tensor] = None      # (B, T)
     returns: Optional[torch.Tensor] = None         # (B, T)
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, T): rollout correction's truncated IS weights
 
     @classmethod
     def from_prompts_and_responses(cls, prompts: Sequence[Sequence[int]], responses: torch.Tensor,

@@ -219,11 +219,9 @@ class PPOTrainer:
             self.engine.sleep()
             local_batch = self._reward_and_deal(global_batch, global_items)
             with t("old_log_prob"):
-                local_batch.old_log_prob = self.actor.compute_log_prob(local_batch,
-                                                                       **self.batching.old_log_prob.kwargs())
+                local_batch.old_log_prob = self._old_log_prob(local_batch)
             self._check_finite("old_log_prob", old_log_prob=local_batch.old_log_prob)
-            metrics.update(algo.rollout_probs_diff(local_batch.rollout_log_probs, local_batch.old_log_prob,
-                                                   local_batch.response_mask))
+            metrics.update(self._rollout_correction(local_batch))
             if self.ref is not None:
                 with t("ref"):
                     local_batch.ref_log_prob = self.ref.compute_log_prob(local_batch, **self.batching.ref.kwargs())
@@ -272,6 +270,27 @@ class PPOTrainer:
                                                                       len(global_batch))
         self._check_finite("reward", scores=global_batch.token_level_scores)
         return local_batch
+
+    def _old_log_prob(self, local_batch: RolloutBatch) -> torch.Tensor:
+        """The actor's log-probs before the update; in rollout correction's bypass mode the
+        engine's own (no forward pass)."""
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            return local_batch.rollout_log_probs.clone()
+        return self.actor.compute_log_prob(local_batch, **self.batching.old_log_prob.kwargs())
+
+    def _rollout_correction(self, local_batch: RolloutBatch) -> dict:
+        """The engine-vs-trainer drift metrics and, with algorithm.rollout_correction.rollout_is,
+        the truncated importance weights the policy loss multiplies (DP-global metrics)."""
+        metrics = algo.rollout_probs_diff(local_batch.rollout_log_probs, local_batch.old_log_prob,
+                                          local_batch.response_mask)
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.rollout_is is not None:
+            local_batch.rollout_is_weights, m = algo.rollout_is_weights(
+                local_batch.old_log_prob, local_batch.rollout_log_probs, local_batch.response_mask,
+                level=rc.rollout_is, threshold=rc.rollout_is_threshold, batch_normalize=rc.rollout_is_batch_normalize,
+                dp_group=self.dp_group)
+            metrics.update(m)
+        return metrics
 
     def _advantages(self, local_batch: RolloutBatch) -> dict:
         """Rewards (scores, minus the KL penalty when it is in the reward), then advantages and

@@ -97,6 +97,15 @@ def _dp_worker(rank, world, splits):
                                          group_index=gid[sl], baseline_scores=base[sl], dp_group=grp, **kw)
         torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
         torch.testing.assert_close(ret, full_r[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
+    # rollout correction: weights (batch-normalised) and their metrics are global
+    g = torch.Generator().manual_seed(5)  # same on every rank
+    old, eng = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)
+    for level in ("token", "sequence"):
+        w_full, m_full = algo.rollout_is_weights(old, eng, m, level=level, threshold=1.5, batch_normalize=True)
+        w_dp, m_dp = algo.rollout_is_weights(old[sl], eng[sl], m[sl], level=level, threshold=1.5, batch_normalize=True,
+                                             dp_group=grp)
+        torch.testing.assert_close(w_dp, w_full[sl], atol=1e-12, rtol=0)
+        assert m_dp == pytest.approx(m_full, rel=1e-12), level
     # KL in reward: the batch KL and the controller update are global
     g = torch.Generator().manual_seed(3)  # same on every rank
     logp, ref = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)

@@ -146,3 +146,38 @@ def test_the_actor_uses_the_configured_policy_loss(model_dir, tmp_path):
     for mode, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), mode
     assert abs(got["gpg"][0] - got["vanilla"][0]) > 1e-2 and abs(got["gspo"][0] - got["vanilla"][0]) > 1e-4
+
+
+def _rollout_is_worker(rank, world, dirs, out_file):
+    setup(1, 1)
+    from megappo.workers import Actor
+
+    batch = _global_batch()
+    info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
+    out = {}
+    for name in ("off", "token"):
+        info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
+        actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=1e-3)
+        batch.old_log_prob = actor.compute_log_prob(batch, 4)
+        engine = batch.old_log_prob + 0.3 * torch.randn(batch.old_log_prob.shape, generator=torch.Generator().manual_seed(0))
+        batch.rollout_is_weights = None
+        if name == "token":
+            batch.rollout_is_weights, _ = algo.rollout_is_weights(batch.old_log_prob, engine, batch.response_mask)
+        m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4)
+        want, _ = algo.compute_policy_loss("vanilla", batch.old_log_prob, batch.old_log_prob, batch.advantages,
+                                           batch.response_mask, rollout_is_weights=batch.rollout_is_weights)
+        out[name] = [m["actor/pg_loss_per_minibatch"][0], float(want)]
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+
+
+def test_rollout_correction_weights_reach_the_update(model_dir, tmp_path):
+    """The batch's rollout_is_weights multiply the actor's token losses (two micro-batches,
+    global counts): the loss is the host's weighted loss, and not the unweighted one."""
+    out = str(tmp_path / "is.json")
+    spawn(_rollout_is_worker, 1, model_dir, out)
+    with open(out) as f:
+        got = json.load(f)
+    for name, (actor, host) in got.items():
+        assert actor == pytest.approx(host, abs=1e-5), name
+    assert abs(got["token"][0] - got["off"][0]) > 1e-3

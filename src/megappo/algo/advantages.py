@@ -15,7 +15,7 @@ single-process computation on the concatenated batch, however it is split over r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist

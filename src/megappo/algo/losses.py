@@ -91,12 +91,13 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, global_to
 
 def policy_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low: float = 0.2,
                 clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                global_tokens=None, global_seqs=None, norm_factor=None):
+                global_tokens=None, global_seqs=None, norm_factor=None, rollout_is_weights=None):
     """Clipped PPO objective with dual clip.
 
     ratio = exp(clamp(logp - old_logp, -20, 20));
     L1 = max(-A ratio, -A clamp(ratio, 1 - eps_low, 1 + eps_high));
     for A < 0 the loss is also bounded by -A c (dual clip, c > 1): L = min(L1, -A c).
+    ``rollout_is_weights`` (B, T), when given, multiply each token's loss (rollout correction).
     Metrics (token means over the mask): pg_clipfrac (the clipped branch is active),
     pg_clipfrac_lower (the dual-clip bound is active), ppo_kl (mean of old_logp - logp).
     Returns ``(loss, metrics)`` with tensor metrics (detached).
@@ -112,6 +113,8 @@ def policy_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio
     l2 = torch.minimum(l1, l_dual)
     neg = advantages < 0
     losses = torch.where(neg, l2, l1)
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights.detach().to(losses.dtype)
     loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
                     norm_factor=norm_factor)
     with torch.no_grad():

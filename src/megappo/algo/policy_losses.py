@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .losses import agg_loss, policy_loss
+from .rollout_correction import apply_weights
 from .stats import masked_mean, masked_sum
 
 __all__ = ["POLICY_LOSSES", "register_policy_loss", "list_policy_losses", "compute_policy_loss"]
@@ -40,7 +41,8 @@ def list_policy_losses() -> list[str]:
 
 def compute_policy_loss(loss_mode: str, old_log_prob, log_prob, advantages, response_mask, **kw):
     """The loss ``loss_mode`` names; ``kw``: clip_ratio_low/high, clip_ratio_c, loss_agg_mode,
-    tau_pos/tau_neg, global_tokens/global_seqs, norm_factor (each loss takes what it uses)."""
+    tau_pos/tau_neg, global_tokens/global_seqs, norm_factor, rollout_is_weights (rollout
+    correction: each token's loss times its weight; each loss takes what it uses)."""
     if loss_mode not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {loss_mode!r}; registered: {', '.join(list_policy_losses())}")
     return POLICY_LOSSES[loss_mode](old_log_prob, log_prob, advantages, response_mask, **kw)
@@ -64,7 +66,7 @@ def _vanilla(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_lo
     """PPO's clipped objective with dual clip (:func:`megappo.algo.policy_loss`)."""
     return policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,
                        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-                       **_norm(kw))
+                       rollout_is_weights=kw.get("rollout_is_weights"), **_norm(kw))
 
 
 @register_policy_loss("gspo")
@@ -80,7 +82,8 @@ def _gspo(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0
     s = torch.exp(log_s)
     l1 = -advantages * s
     l2 = -advantages * torch.clamp(s, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = agg_loss(torch.maximum(l1, l2), response_mask, "seq-mean-token-mean", **_norm(kw))
+    loss = agg_loss(apply_weights(torch.maximum(l1, l2), kw.get("rollout_is_weights")), response_mask,
+                    "seq-mean-token-mean", **_norm(kw))
     return loss, _metrics(log_ratio, response_mask, clipfrac=l2 > l1)
 
 
@@ -94,14 +97,16 @@ def _sapo(old_log_prob, log_prob, advantages, response_mask, *, tau_pos=1.0, tau
     tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=r.dtype, device=r.device),
                       torch.as_tensor(tau_neg, dtype=r.dtype, device=r.device))
     gate = torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau)
-    loss = agg_loss(-gate * advantages, response_mask, "seq-mean-token-mean", **_norm(kw))
+    loss = agg_loss(apply_weights(-gate * advantages, kw.get("rollout_is_weights")), response_mask,
+                    "seq-mean-token-mean", **_norm(kw))
     return loss, _metrics(log_ratio, response_mask)
 
 
 @register_policy_loss("gpg")
 def _gpg(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean", **kw):
     """GPG (arXiv 2504.02546): plain policy gradient, L = -A logp, no ratio, no clip."""
-    loss = agg_loss(-log_prob * advantages, response_mask, loss_agg_mode, **_norm(kw))
+    loss = agg_loss(apply_weights(-log_prob * advantages, kw.get("rollout_is_weights")), response_mask, loss_agg_mode,
+                    **_norm(kw))
     return loss, _metrics(log_prob - old_log_prob, response_mask)
 
 
@@ -113,7 +118,8 @@ def _cispo(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     r = torch.exp(log_ratio)
     clipped = torch.clamp(r, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = agg_loss(-clipped.detach() * advantages * log_prob, response_mask, loss_agg_mode, **_norm(kw))
+    loss = agg_loss(apply_weights(-clipped.detach() * advantages * log_prob, kw.get("rollout_is_weights")),
+                    response_mask, loss_agg_mode, **_norm(kw))
     return loss, _metrics(log_ratio, response_mask, clipfrac=r != clipped)
 
 
@@ -134,6 +140,10 @@ def _geo_mean(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_l
     adv = (advantages * m).sum(-1) / n.clamp(min=1)
     n_seq = kw.get("global_seqs")
     n_seq = (n > 0).to(m.dtype).sum() if n_seq is None else torch.as_tensor(n_seq, dtype=m.dtype)
-    loss = (-adv * ratio).sum() / n_seq.clamp(min=1)
+    per_seq = -adv * ratio
+    w = kw.get("rollout_is_weights")
+    if w is not None:   # one weight per sequence: the geometric mean of its tokens' (as verl; weights of 1 give 1)
+        per_seq = per_seq * torch.exp((torch.log(w.detach().to(m.dtype).clamp(min=1e-10)) * m).sum(-1) / n.clamp(min=1))
+    loss = per_seq.sum() / n_seq.clamp(min=1)
     clipped = d != d_clip
     return loss, _metrics(d, response_mask, clipfrac=clipped & (advantages > 0), clipfrac_lower=clipped & (advantages < 0))

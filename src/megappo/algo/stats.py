@@ -6,8 +6,6 @@ statistic of the concatenated batch whatever way it was split over ranks.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 

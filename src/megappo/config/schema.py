@@ -231,6 +231,14 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Optional[Literal["token", "sequence"]] = _f(None, "Truncated importance weights pi_old / pi_rollout on the policy loss: null (off), token (per token), sequence (one per sequence, the product of its tokens').")
+    rollout_is_threshold: float = _f(2.0, "Upper bound of the importance weights (truncation).")
+    rollout_is_batch_normalize: bool = _f(False, "Divide the weights by their batch mean (over every DP rank) so they average 1.")
+    bypass_mode: bool = _f(False, "Use the rollout engine's log-probs as old log-probs (no old-log-prob forward pass; the PPO ratio then corrects for the engine's policy).")
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = _f(1.0, "Discount factor.")
     lam: float = _f(1.0, "GAE lambda.")
@@ -239,6 +247,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _f(False, "Subtract a KL penalty from the token rewards.")
     kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty (same kinds as kl_loss_type).")
     kl_ctrl: KLCtrlConfig = _sub(KLCtrlConfig, "KL-in-reward coefficient controller.")
+    rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig, "Correction for the gap between the rollout engine's policy and the trainer's.")
 
 
 @dataclass

@@ -214,6 +214,12 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
          f"unknown policy loss {act.policy_loss.loss_mode!r}; registered: {', '.join(losses)}")
     for key in ("tau_pos", "tau_neg"):
         need(getattr(act, key) > 0, A + key, f"SAPO's gate temperature must be > 0, got {getattr(act, key)}")
+    rc = al.rollout_correction
+    need(rc.rollout_is_threshold > 0, "algorithm.rollout_correction.rollout_is_threshold",
+         f"must be > 0, got {rc.rollout_is_threshold}")
+    if rc.bypass_mode and rc.rollout_is is not None:
+        W.append("algorithm.rollout_correction.rollout_is has no effect with bypass_mode=true: the old log-probs "
+                 "are the rollout's, so every weight is 1 (the PPO ratio does the correction)")
     kl_kinds = _known("kl")
     need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
          f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")

@@ -302,7 +302,7 @@ class Actor(MegatronWorker):
             def loss_fn(mb, ids, output):
                 lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
                 pg, m = algo.compute_policy_loss(loss.loss_mode, mb.old_log_prob, lp, mb.advantages, mb.response_mask,
-                                                 **loss.loss_kwargs(), **norm)
+                                                 rollout_is_weights=mb.rollout_is_weights, **loss.loss_kwargs(), **norm)
                 ent_loss = algo.agg_loss(ent, mb.response_mask, loss.loss_agg_mode, **norm)
                 total = pg - loss.entropy_coeff * ent_loss
                 kl = torch.zeros((), device=lp.device)
