@@ -250,8 +250,9 @@ class PPOTrainer:
         return metrics
 
     def _reward_and_deal(self, global_batch: RolloutBatch, global_items: list) -> RolloutBatch:
-        """Score every sample (rule/custom function on the whole local_batch, or the reward model on
-        this rank's rows) and deal this DP rank its rows, balanced per actor mini-local_batch."""
+        """Score every sample (rule/custom function on the whole global batch, or the reward model on
+        this rank's rows), shape the scores (DAPO's overlong penalty) and deal this DP rank its
+        rows, balanced per actor mini-batch. Shaping metrics go to ``self._reward_metrics``."""
         from megappo.workers.batching import deal_to_dp
 
         if self.reward_model is None:
@@ -268,6 +269,13 @@ class PPOTrainer:
                     local_batch, **self.batching.reward.kwargs())
                 global_batch.token_level_scores = self._assemble_rows(local_batch.token_level_scores, rows,
                                                                       len(global_batch))
+        ob, self._reward_metrics = self.cfg.reward_model.overlong_buffer, {}
+        if ob.enable:
+            global_batch.token_level_scores, self._reward_metrics = algo.overlong_penalty(
+                global_batch.token_level_scores, global_batch.response_mask,
+                max_response_length=self.cfg.data.max_response_length, buffer_len=ob.len,
+                penalty_factor=ob.penalty_factor)
+            local_batch.token_level_scores = global_batch.token_level_scores[rows]
         self._check_finite("reward", scores=global_batch.token_level_scores)
         return local_batch
 
@@ -339,6 +347,7 @@ class PPOTrainer:
         from megappo.metrics import data_metrics
 
         cfg = self.cfg
+        metrics.update(self._reward_metrics)   # reward shaping (DAPO's overlong penalty), when on
         metrics.update(data_metrics(global_batch, cfg.data.max_response_length))  # every rank holds the global batch
         dealt = data_metrics(local_batch, cfg.data.max_response_length, group=self.dp_group)  # each DP rank its rows
         metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")

@@ -1,6 +1,7 @@
 """Rollout correction end to end (algorithm.rollout_correction), with the engine's log-probs
 perturbed on purpose (the trainer's rollout is wrapped): truncated importance weights are computed
-from them and logged; bypass mode trains against the engine's log-probs themselves."""
+from them and logged; bypass mode trains against the engine's log-probs themselves. The bypass run
+also has DAPO's overlong penalty on (reward_model.overlong_buffer)."""
 import json
 import sys
 from pathlib import Path
@@ -47,7 +48,10 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
     runs = {}
     for name, extra in (("is", ["algorithm.rollout_correction.rollout_is=token",
                                 "algorithm.rollout_correction.rollout_is_threshold=1.5"]),
-                        ("bypass", ["algorithm.rollout_correction.bypass_mode=true"])):
+                        ("bypass", ["algorithm.rollout_correction.bypass_mode=true",
+                                    # and DAPO's overlong penalty over the whole response length
+                                    "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
+                                    "reward_model.overlong_buffer.len=${data.max_response_length}"])):
         spawn(_worker, 2, p["model"], p["train"], str(tmp_path / name), extra)
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     first = runs["is"][0]
@@ -62,3 +66,6 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
     b = runs["bypass"][0]
     assert b["training/rollout_probs_diff_max"] == 0.0 and "rollout_corr/rollout_is_mean" not in b
     assert abs(b["actor/ppo_kl"]) > 1e-3
+    # the overlong penalty reached the scores: every non-empty response pays len / max_len (rule scores >= 0)
+    assert b["reward/overlong_fraction"] > 0.5 and b["reward/overlong_penalty_mean"] < 0
+    assert b["critic/score/min"] < 0 and "reward/overlong_fraction" not in first

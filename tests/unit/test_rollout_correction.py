@@ -111,3 +111,20 @@ def test_vanilla_with_weights_equals_a_loop():
                 total += l * min(math.exp(float(old[i, t] - rollout[i, t])), 2.0)
                 n += 1
     assert float(loss) == pytest.approx(total / n, rel=1e-12)
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO: max length 10, buffer 4: lengths <= 6 are free, 8 pays 0.5 x factor, 10 pays factor;
+    the penalty lands on the last response token."""
+    mask = torch.zeros(4, 10, dtype=DT)
+    for i, n in enumerate([3, 6, 8, 10]):
+        mask[i, :n] = 1
+    scores = torch.zeros(4, 10, dtype=DT)
+    scores[0, 2] = 1.0
+    out, m = algo.overlong_penalty(scores, mask, max_response_length=10, buffer_len=4, penalty_factor=2.0)
+    assert out[0, 2] == 1.0 and out[1].abs().sum() == 0
+    assert out[2, 7] == pytest.approx(-1.0) and out[3, 9] == pytest.approx(-2.0)
+    assert out.sum() == pytest.approx(1.0 - 3.0)
+    assert m == {"reward/overlong_penalty_mean": pytest.approx(-0.75), "reward/overlong_fraction": 0.5}
+    with pytest.raises(ValueError, match="buffer_len must be in \\(0, max_response_length=10\\], got 11"):
+        algo.overlong_penalty(scores, mask, max_response_length=10, buffer_len=11, penalty_factor=1.0)

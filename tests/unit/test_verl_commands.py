@@ -64,7 +64,8 @@ def test_megatron_commands_run_unchanged_or_name_the_missing_feature(cmd):
     if cmd["source"] == MOE:
         lacking = {_key(a) for a in cmd["argv"] if ".override_transformer_config." in a or "override_optimizer_config" in a
                    or "override_config." in a or "expert_model_parallel_size" in a
-                   or _key(a).startswith("reward_model.reward_")}  # MoE, its fusions and DAPO's reward manager
+                   or _key(a).startswith("reward_model.reward_kwargs")}  # MoE, its fusions; DAPO's overlong
+        # settings under verl's reward_kwargs name (reward_model.overlong_buffer.* here; reward_manager=dapo is accepted)
     if not lacking:
         assert rc == 0, err
         cfg = yaml.safe_load(out[:out.index("# layout")])
@@ -153,6 +154,11 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("+ray_kwargs.ray_init.num_cpus=8", "warn", "megappo.launch.ray"),
     ("actor_rollout_ref.actor.strategy=fsdp", "error", "Megatron-only"),
     ("critic.model.fsdp_config.param_offload=True", "error", "critic.megatron.param_offload"),
+    ("reward_model.reward_manager=dapo", None, None),
+    ("reward_model.reward_manager=prime", "error", "must be naive or dapo"),
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", "error", "DAPO's overlong penalty is reward_model.overlong_buffer.* here"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "error", "rejection sampling is not supported yet"),
+    ("+actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", "warn", "read by loss_mode clip_cov only"),
 ])
 def test_each_verl_only_key(arg, kind, fragment):
     from megappo.config import load_config

@@ -256,12 +256,20 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = _f(False, "DAPO's overlong penalty: responses longer than data.max_response_length - len lose up to penalty_factor (linearly over the buffer), on their last token.")
+    len: int = _f(4096, "Length of the buffer at the end of data.max_response_length where the penalty grows.")
+    penalty_factor: float = _f(1.0, "Penalty of a response that fills the whole buffer.")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = _f(False, "Score responses with a reward model instead of the rule/custom reward function.")
     model: RewardModelModelConfig = _sub(RewardModelModelConfig, "Reward model weights.")
     micro_batch_size_per_gpu: Optional[int] = _f(Ref("critic.forward_micro_batch_size_per_gpu"), "Samples per micro-batch of the reward-model pass.")
     use_dynamic_bsz: bool = _f(Ref("critic.use_dynamic_bsz"), "Token-budget micro-batches for the reward-model pass.")
     forward_max_token_len_per_gpu: int = _f(Ref("critic.forward_max_token_len_per_gpu"), "Token budget per micro-batch of the reward-model pass.")
+    overlong_buffer: OverlongBufferConfig = _sub(OverlongBufferConfig, "DAPO's overlong reward shaping (any scorer).")
 
 
 @dataclass

@@ -285,6 +285,11 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
         need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
         need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
              "must be set unless reward_model.use_dynamic_bsz")
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable:
+        need(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
+             f"must be in (0, data.max_response_length={d.max_response_length}], got {ob.len}")
+        need(ob.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor", f"must be >= 0, got {ob.penalty_factor}")
     need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length",
          f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "
          f"tokens is implausibly long; expected fewer than {10**7}")

@@ -67,8 +67,10 @@ RULES: list[tuple[str, Rule]] = [
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),
-    ("reward_model.reward_manager", _when(lambda v: v != "naive", "error", "must be naive: other reward managers (DAPO's arrives with issue 5/7) are not supported; megappo scores with the rule or custom function, or reward_model.enable")),
-    ("reward_model.reward_kwargs.*", _always("error", "is not supported yet: DAPO's overlong reward shaping arrives with issue 5/7")),
+    ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),
+    ("reward_model.overlong_buffer.log", lambda v: None),   # megappo always logs the penalty's batch metrics
+    ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported under this name: DAPO's overlong penalty is reward_model.overlong_buffer.* here (enable, len, penalty_factor)")),
+    ("reward_model.reward_kwargs.*", _always("error", "is not supported: megappo's scorers take no extra arguments")),
     # FSDP: say which megatron key replaces the setting
     ("*.fsdp_config.param_offload", _always("error", MEGATRON_ONLY.replace("(the layout:", "(the same setting: <section>.megatron.param_offload; the layout:"))),
     ("*.fsdp_config.optimizer_offload", _always("error", MEGATRON_ONLY.replace("(the layout:", "(the same setting: <section>.megatron.optimizer_offload; the layout:"))),
