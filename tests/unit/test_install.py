@@ -31,3 +31,13 @@ def test_megatron_core_and_friends_import():
            "from megatron.core import parallel_state, dist_checkpointing; print(megatron.core.__version__)")
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().endswith("0.16.1")
+
+
+def test_test_file_names_are_unique():
+    """pytest imports test files by basename (no packages under tests/): two files of one name
+    stop the whole run at collection (it happened: unit/ and e2e/ test_rollout_correction.py)."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in Path(__file__).resolve().parents[1].rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], names
