@@ -37,13 +37,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from megappo.models.hf import padded_vocab_size   # megatron's padding (128 x TP), as the models are built
+
 GiB = 2**30
 RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
 LOGITS_FP32_COPIES = 3           # the kernel's fp32 work per logit: upcast, exp, gradient
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config",
-           "find_model_config", "main"]
+           "find_model_config", "padded_vocab_size", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,12 +102,6 @@ def find_model_config(path: str) -> Path:
                             f"shipped config matches its name (shipped: {shipped}); pass --model-config PATH")
 
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """megatron pads the vocabulary to a multiple of divisible_by x TP (megappo.models.hf)."""
-    m = divisible_by * tp
-    return -(-vocab // m) * m
-
-
 def _layer_params(m: ModelShape, tp: int) -> int:
     """Parameters of one decoder layer on one TP rank (norms are replicated)."""
     h, d = m.hidden, m.head_dim
@@ -125,7 +121,7 @@ def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool =
     head with a bias for the critic; with tied embeddings and PP > 1 megatron keeps a copy of the embedding
     there)."""
     n = m.layers // pp * _layer_params(m, tp)
-    vp = padded_vocab(m.vocab, tp)
+    vp = padded_vocab_size(m.vocab, tp)
     if stage == 0:
         n += vp * m.hidden // tp
     if stage == pp - 1:
@@ -248,7 +244,7 @@ def _activations(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, toke
 
 
 def _logits(m: ModelShape, o: PlanOptions, tokens: int, training: bool) -> int:
-    vocab = padded_vocab(m.vocab, o.tp) // o.tp
+    vocab = padded_vocab_size(m.vocab, o.tp) // o.tp
     kept = tokens * vocab * o.param_bytes * (2 if training else 1)    # logits (+ their gradient)
     work_tokens = min(tokens, o.logits_chunk_tokens) if o.lean_logits else tokens
     return kept + work_tokens * vocab * 4 * LOGITS_FP32_COPIES

@@ -25,7 +25,7 @@ def test_parameters_and_bytes_match_a_hand_count():
     # norms 2x64 + q/k norms 2x16 = 160 (replicated); MLP 3 x 64 x 128 / 2 = 12288. Total 18592.
     assert P._layer_params(m, 2) == 18592
     # Vocabulary padded to a multiple of 128 x TP = 256: 1024; the embedding shard 1024 x 64 / 2 = 32768.
-    assert P.padded_vocab(1000, 2) == 1024
+    assert P.padded_vocab_size(1000, 2) == 1024
     # PP2: stage 0 = 2 layers + embedding; stage 1 = 2 layers + final norm + output layer.
     assert P.stage_params(m, 2, 2, 0) == 2 * 18592 + 32768
     assert P.stage_params(m, 2, 2, 1) == 2 * 18592 + 64 + 32768

@@ -79,18 +79,52 @@ def _work_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
+def _targets(logits: torch.Tensor, labels: torch.Tensor, rank: int, dtype: torch.dtype):
+    """(N,) logit of each label on this rank's shard (0 where another rank holds it), the
+    label's local index (0 where outside) and whether it is inside this shard."""
+    v_local = logits.shape[-1]
+    local = labels.reshape(-1) - rank * v_local
+    inside = (local >= 0) & (local < v_local)
+    safe = torch.where(inside, local, torch.zeros_like(local))
+    target = _flat(logits).gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(dtype)
+    return torch.where(inside, target, torch.zeros_like(target)), safe, inside
+
+
+def _probs(flat: torch.Tensor, sl: slice, lse: torch.Tensor, rank: int, vocab_size):
+    """(z, softmax) of one chunk of tokens: fp32 work of this chunk only."""
+    z = _masked_padding(flat[sl], rank, vocab_size)
+    return z, torch.sub(z, lse[sl].unsqueeze(-1)).exp_()
+
+
+def _local_pz(logits: torch.Tensor, lse: torch.Tensor, rank: int, vocab_size, chunk) -> torch.Tensor:
+    """(N,) sum_j p_j z_j over this rank's shard."""
+    flat = _flat(logits)
+    pz = torch.empty_like(lse)
+    for sl in _chunks(flat.shape[0], chunk):
+        z, p = _probs(flat, sl, lse, rank, vocab_size)
+        zero = p == 0                                   # padded ids: 0 * -inf -> 0
+        pz[sl] = p.mul_(z).masked_fill_(zero, 0).sum(-1)
+    return pz
+
+
+def _log_prob_grad(p: torch.Tensor, g: torch.Tensor, safe: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """d logp(y) / d z_j times g = g (1[j = y] - p_j); overwrites ``p``."""
+    part = p.mul_(-g)
+    return part.scatter_add_(-1, safe.unsqueeze(-1), torch.where(inside.unsqueeze(-1), g, torch.zeros_like(g)))
+
+
+def _entropy_grad(p: torch.Tensor, z: torch.Tensor, pz: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """dH / dz_j times g = g p_j (sum_k p_k z_k - z_j) (0 on padded ids)."""
+    return torch.sub(pz.unsqueeze(-1), z).masked_fill_(p == 0, 0).mul_(p).mul_(g)
+
+
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, tp_group, vocab_size, chunk):
         world, rank = _tp(tp_group)
         with torch.no_grad():
             lse = _combine_lse(_local_lse(logits, rank, vocab_size, chunk), tp_group, world)
-        v_local = logits.shape[-1]
-        local = labels.reshape(-1) - rank * v_local
-        inside = (local >= 0) & (local < v_local)
-        safe = torch.where(inside, local, torch.zeros_like(local))
-        target = _flat(logits).gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(lse.dtype)
-        target = torch.where(inside, target, torch.zeros_like(target))
+        target, safe, inside = _targets(logits, labels, rank, lse.dtype)
         if world > 1:
             dist.all_reduce(target, group=tp_group)
         ctx.save_for_backward(logits, lse, safe, inside)
@@ -105,13 +139,9 @@ class _VocabParallelLogProb(torch.autograd.Function):
         flat = _flat(logits)
         grad = torch.empty_like(flat)
         g_all = grad_out.reshape(-1).to(lse.dtype)
-        # d logp(y) / d z_j = 1[j = y] - softmax_j, one chunk of tokens at a time
         for sl in _chunks(flat.shape[0], chunk):
-            z = _masked_padding(flat[sl], rank, vocab_size)
-            g = g_all[sl].unsqueeze(-1)
-            part = torch.sub(z, lse[sl].unsqueeze(-1)).exp_().mul_(-g)
-            part.scatter_add_(-1, safe[sl].unsqueeze(-1), torch.where(inside[sl].unsqueeze(-1), g, torch.zeros_like(g)))
-            grad[sl] = part.to(grad.dtype)
+            _, p = _probs(flat, sl, lse, rank, vocab_size)
+            grad[sl] = _log_prob_grad(p, g_all[sl].unsqueeze(-1), safe[sl], inside[sl]).to(grad.dtype)
         return grad.view(logits.shape), None, None, None, None
 
 
@@ -119,15 +149,9 @@ class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tp_group, vocab_size, chunk):
         world, rank = _tp(tp_group)
-        flat = _flat(logits)
         with torch.no_grad():
             lse = _combine_lse(_local_lse(logits, rank, vocab_size, chunk), tp_group, world)
-            pz = torch.empty_like(lse)
-            for sl in _chunks(flat.shape[0], chunk):
-                z = _masked_padding(flat[sl], rank, vocab_size)
-                p = torch.sub(z, lse[sl].unsqueeze(-1)).exp_()
-                zero = p == 0                                   # padded ids: 0 * -inf -> 0
-                pz[sl] = p.mul_(z).masked_fill_(zero, 0).sum(-1)
+            pz = _local_pz(logits, lse, rank, vocab_size, chunk)
             if world > 1:
                 dist.all_reduce(pz, group=tp_group)
         ctx.save_for_backward(logits, lse, pz)
@@ -142,12 +166,9 @@ class _VocabParallelEntropy(torch.autograd.Function):
         flat = _flat(logits)
         grad = torch.empty_like(flat)
         g_all = grad_out.reshape(-1)
-        # dH/dz_j = p_j (sum_k p_k z_k - z_j)
         for sl in _chunks(flat.shape[0], chunk):
-            z = _masked_padding(flat[sl], rank, vocab_size)
-            p = torch.sub(z, lse[sl].unsqueeze(-1)).exp_()
-            diff = torch.sub(pz[sl].unsqueeze(-1), z).masked_fill_(p == 0, 0)
-            grad[sl] = diff.mul_(p).mul_(g_all[sl].unsqueeze(-1).to(p.dtype)).to(grad.dtype)
+            z, p = _probs(flat, sl, lse, rank, vocab_size)
+            grad[sl] = _entropy_grad(p, z, pz[sl], g_all[sl].unsqueeze(-1).to(p.dtype)).to(grad.dtype)
         return grad.view(logits.shape), None, None, None
 
 
@@ -158,21 +179,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, tp_group, vocab_size, chunk):
         world, rank = _tp(tp_group)
-        flat = _flat(logits)
         with torch.no_grad():
             lse = _combine_lse(_local_lse(logits, rank, vocab_size, chunk), tp_group, world)
-            pz = torch.empty_like(lse)
-            for sl in _chunks(flat.shape[0], chunk):
-                z = _masked_padding(flat[sl], rank, vocab_size)
-                p = torch.sub(z, lse[sl].unsqueeze(-1)).exp_()
-                zero = p == 0
-                pz[sl] = p.mul_(z).masked_fill_(zero, 0).sum(-1)
-            v_local = logits.shape[-1]
-            local = labels.reshape(-1) - rank * v_local
-            inside = (local >= 0) & (local < v_local)
-            safe = torch.where(inside, local, torch.zeros_like(local))
-            target = flat.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(lse.dtype)
-            target = torch.where(inside, target, torch.zeros_like(target))
+            pz = _local_pz(logits, lse, rank, vocab_size, chunk)
+            target, safe, inside = _targets(logits, labels, rank, lse.dtype)
             if world > 1:   # two reductions, as the separate kernels do (a ring over a joined
                 dist.all_reduce(target, group=tp_group)   # buffer would add in another order)
                 dist.all_reduce(pz, group=tp_group)
@@ -192,14 +202,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         # the two gradients exactly as the separate functions form them, added once: the same
         # bits as autograd adding theirs (for float32 logits)
         for sl in _chunks(flat.shape[0], chunk):
-            z = _masked_padding(flat[sl], rank, vocab_size)
-            p = torch.sub(z, lse[sl].unsqueeze(-1)).exp_()
-            g = g_lp[sl].unsqueeze(-1)
-            part = p.mul(-g)
-            part.scatter_add_(-1, safe[sl].unsqueeze(-1), torch.where(inside[sl].unsqueeze(-1), g, torch.zeros_like(g)))
-            diff = torch.sub(pz[sl].unsqueeze(-1), z).masked_fill_(p == 0, 0)
-            part.add_(diff.mul_(p).mul_(g_h[sl].unsqueeze(-1)))
-            grad[sl] = part.to(grad.dtype)
+            z, p = _probs(flat, sl, lse, rank, vocab_size)
+            ent = _entropy_grad(p, z, pz[sl], g_h[sl].unsqueeze(-1))   # before p is overwritten
+            grad[sl] = _log_prob_grad(p, g_lp[sl].unsqueeze(-1), safe[sl], inside[sl]).add_(ent).to(grad.dtype)
         return grad.view(logits.shape), None, None, None, None
 
 
