@@ -13,6 +13,9 @@ Methods (tuned settings each; see MEGAPPO and TRL_ARGS):
   gae    megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
   grpo   megappo GRPO (no critic), n=8
   gspo, cispo, sapo   GRPO's advantages and settings with another policy loss (--methods to pick them)
+  dapo   GRPO + clip-higher (0.28) + dynamic sampling (score must vary within a group); its
+         samples count every generated sample, kept or filtered
+  grpo_is  GRPO with rollout correction (token-level truncated importance weights, threshold 2)
   trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv, which a full
          run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV to put it elsewhere);
          --quick skips TRL, saying so, when the venv is missing
@@ -58,7 +61,15 @@ MEGAPPO = {
 for _mode, _extra in (("gspo", ["actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"]),
                       ("cispo", ["actor_rollout_ref.actor.clip_ratio_high=4.0"]), ("sapo", [])):
     MEGAPPO[_mode] = MEGAPPO["grpo"] + [f"actor_rollout_ref.actor.policy_loss.loss_mode={_mode}", *_extra]
-SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256}
+# DAPO: clip-higher and dynamic sampling (rounds of 32 prompts until 32 with varied scores are kept);
+# its samples count every GENERATED sample, filtered or not. grpo_is: GRPO with rollout correction
+# (token-level truncated importance weights from the engine's log-probs).
+MEGAPPO["dapo"] = MEGAPPO["grpo"] + ["actor_rollout_ref.actor.clip_ratio_high=0.28", "algorithm.filter_groups.enable=true",
+                                     "algorithm.filter_groups.metric=score", "data.gen_batch_size=32"]
+MEGAPPO["grpo_is"] = MEGAPPO["grpo"] + ["algorithm.rollout_correction.rollout_is=token",
+                                        "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+                    "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
@@ -84,12 +95,17 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
     rows = [r for r in rows if r.get("step", 0) > 0 and "critic/score/mean" in r]
     # samples per step from the overrides actually passed (--extra may change n or the batch)
     last = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
-    per_step = int(last["actor_rollout_ref.rollout.n"]) * int(last["data.train_batch_size"])
-    curve, elapsed = [], 0.0
+    n = int(last["actor_rollout_ref.rollout.n"])
+    per_step = n * int(last["data.train_batch_size"])
+    per_round = n * int(last.get("data.gen_batch_size", last["data.train_batch_size"]))
+    curve, elapsed, samples = [], 0.0, 0
     for r in rows:
         elapsed += r.get("timing_s/step", 0.0)
-        curve.append({"step": r["step"], "samples": r["step"] * per_step,
-                      "score": r["critic/score/mean"], "seconds": elapsed})
+        # dynamic sampling generates rounds until enough groups are kept: count what was generated
+        samples += int(r["train/num_gen_batches"]) * per_round if "train/num_gen_batches" in r else per_step
+        # the score of everything generated (dynamic sampling's critic/score/mean is of the kept groups)
+        score = r.get("train/generated_score_mean", r["critic/score/mean"])
+        curve.append({"step": r["step"], "samples": samples, "score": score, "seconds": elapsed})
     print(f"  {task}/{method}: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
     return curve
 

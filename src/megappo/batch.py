@@ -31,6 +31,11 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None      # (B, T)
     returns: Optional[torch.Tensor] = None         # (B, T)
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, T): rollout correction's truncated IS weights
+    sum_pi_squared: Optional[torch.Tensor] = None  # (B, T): sum_v pi_old(v)^2 (optimal_token_baseline)
+    reward_components: Optional[dict] = None       # name -> (B,) scores from the reward function's dict (gdpo)
+    sample_index: Optional[torch.Tensor] = None    # (B,) long: the sample's row in the step's global batch
+    cov_selected: Optional[torch.Tensor] = None    # (B, T) bool: Clip-Cov/KL-Cov's tokens (algo.cov_selection)
+    rollout_rs_mask: Optional[torch.Tensor] = None  # (B, T) float: 1 where rejection sampling keeps the token
 
     @classmethod
     def from_prompts_and_responses(cls, prompts: Sequence[Sequence[int]], responses: torch.Tensor,
@@ -45,6 +50,12 @@ class RolloutBatch:
             n = int(lengths[i])
             ids[i, len(p):len(p) + n] = responses[i, :n]
         return cls(ids, p_len, responses, response_mask.float(), **fields)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(B, T) the tokens every loss (and its normaliser) counts: the response tokens less those
+        rollout correction's rejection sampling dropped. Lengths still come from response_mask."""
+        return self.response_mask if self.rollout_rs_mask is None else self.response_mask * self.rollout_rs_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -63,18 +74,50 @@ class RolloutBatch:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v[index] if isinstance(v, torch.Tensor) else v
+            out[f.name] = _map(v, lambda t: t[index])
         return RolloutBatch(**out)
+
+    @classmethod
+    def concat(cls, batches: Sequence["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
+        """Rows of ``batches`` one after the other; (B, S) and (B, T) fields are right-padded to the
+        widest (token ids with ``pad_token_id``, everything else with 0). A field must be present
+        in all batches or in none. Group ids are kept as they are: renumber them first."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            vs = [getattr(b, f.name) for b in batches]
+            if all(v is None for v in vs):
+                out[f.name] = None
+                continue
+            if any(v is None for v in vs):
+                raise ValueError(f"RolloutBatch.concat: field {f.name} is missing in some batches")
+            if isinstance(vs[0], dict):
+                out[f.name] = {k: torch.cat([v[k] for v in vs]) for k in vs[0]}
+                continue
+            if vs[0].dim() == 2:
+                width = max(v.shape[1] for v in vs)
+                fill = pad_token_id if f.name in ("input_ids", "responses") else 0
+                vs = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in vs]
+            out[f.name] = torch.cat(vs)
+        return cls(**out)
 
     def to(self, device, non_blocking: bool = False) -> "RolloutBatch":
         """Every present tensor field on ``device`` (the worker boundary: host batch -> device)."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            out[f.name] = _map(v, lambda t: t.to(device, non_blocking=non_blocking))
         return RolloutBatch(**out)
 
     def split(self, size: int) -> list["RolloutBatch"]:
         if len(self) % size:
             raise ValueError(f"a batch of {len(self)} samples does not split into micro-batches of {size}")
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+
+def _map(v, fn):
+    """``fn`` on a tensor field, on each tensor of a dict field; anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, dict):
+        return {k: fn(t) for k, t in v.items()}
+    return v

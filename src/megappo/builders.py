@@ -162,15 +162,23 @@ def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokeni
 def loss_specs(cfg: PPOConfig):
     """(PolicyLossSpec, ValueLossSpec): the actor's and the critic's loss settings, resolved once.
     A null clip_ratio_low/high falls back to clip_ratio (verl); seq-mean-token-sum-norm divides
-    by data.max_response_length."""
+    by data.max_response_length; rollout_correction.loss_type=reinforce in bypass mode selects the
+    reinforce loss, with rollout_is / rollout_is_threshold as its weights."""
     from megappo import algo
 
     act, c, norm = cfg.actor_rollout_ref.actor, cfg.critic, cfg.data.max_response_length
+    pl, rc = act.policy_loss, cfg.algorithm.rollout_correction
+    # bypass mode's REINFORCE (verl's rollout_correction.loss_type) is the policy loss itself
+    loss_mode = "reinforce" if rc.bypass_mode and rc.loss_type == "reinforce" else pl.loss_mode
     policy = algo.PolicyLossSpec(
         clip_ratio_low=act.clip_ratio_low if act.clip_ratio_low is not None else act.clip_ratio,
         clip_ratio_high=act.clip_ratio_high if act.clip_ratio_high is not None else act.clip_ratio,
         clip_ratio_c=act.clip_ratio_c, loss_agg_mode=act.loss_agg_mode, entropy_coeff=act.entropy_coeff,
         use_kl_loss=act.use_kl_loss, kl_loss_coef=act.kl_loss_coef, kl_loss_type=act.kl_loss_type, norm_factor=norm,
-        loss_mode=act.policy_loss.loss_mode, tau_pos=act.tau_pos, tau_neg=act.tau_neg)
+        loss_mode=loss_mode, tau_pos=act.tau_pos, tau_neg=act.tau_neg,
+        dro_beta=act.policy_loss.dro_beta, clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
+        clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+        rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+        bypass_rejection=(rc.rollout_rs, rc.rollout_rs_threshold) if rc.bypass_mode and rc.rollout_rs else None)
     value = algo.ValueLossSpec(cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, norm_factor=norm)
     return policy, value

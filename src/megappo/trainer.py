@@ -95,7 +95,8 @@ class PPOTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
                                                 "horizon": k.horizon})
-        self.sampler = PromptSampler(len(self.train_data), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        self.sampler = PromptSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
+                                     seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
         self.timer = Timer()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
@@ -106,14 +107,17 @@ class PPOTrainer:
 
     # -- pieces ---------------------------------------------------------------------------
     def total_steps(self) -> int:
-        per_epoch = len(self.train_data) // self.cfg.data.train_batch_size if hasattr(self, "train_data") else None
+        """trainer.total_training_steps, or total_epochs x the prompt batches in one pass over the data
+        (batches of data.gen_batch_size with dynamic sampling, as verl's dataloader)."""
         if self.cfg.trainer.total_training_steps:
             return self.cfg.trainer.total_training_steps
-        if per_epoch is None:
+        if hasattr(self, "train_data"):
+            n = len(self.train_data)
+        else:
             from megappo.data import read_rows
 
             n = sum(len(read_rows(f)) for f in self.cfg.data.train_files)
-            per_epoch = n // self.cfg.data.train_batch_size
+        per_epoch = n // (self.cfg.data.gen_batch_size or self.cfg.data.train_batch_size)
         return max(1, per_epoch * self.cfg.trainer.total_epochs)
 
     def sync_weights(self) -> dict:
@@ -121,6 +125,8 @@ class PPOTrainer:
         leaves the device around it: the others' before the engine wakes, the actor's weights
         after they were streamed."""
         from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
+        from megappo.models.layers import uses_te
+        from megappo.rollout.shard_sync import iter_sync_tensors, plan_for_engine
 
         for w in (self.ref, self.critic):
             if w is not None:
@@ -128,10 +134,17 @@ class PPOTrainer:
         self.actor.offload(params=False)
         self.actor.state_offload.ensure(params=True)
         coords = RankCoords.from_megatron()
-        if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
-            self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, coords)
-        out = self.engine.sync_weights(iter_hf_tensors(self.actor.chunks, self.info.desc, coords,
-                                                       shared=self._shared_gather))
+        if not hasattr(self, "_shard_plan"):  # decided once, by all ranks together
+            self._shard_plan = (plan_for_engine(self.engine, self.actor.chunks, self.info.desc, coords)
+                                if self.cfg.actor_rollout_ref.rollout.shard_sync else None)
+        if self._shard_plan is not None:
+            named = iter_sync_tensors(self.actor.chunks, self.info.desc, coords, self._shard_plan,
+                                      uses_te(self.actor.chunks))
+        else:
+            if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
+                self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, coords)
+            named = iter_hf_tensors(self.actor.chunks, self.info.desc, coords, shared=self._shared_gather)
+        out = self.engine.sync_weights(named)
         self.actor.offload()
         return out
 
@@ -155,13 +168,15 @@ class PPOTrainer:
                                                         rollout_log_probs=out.rollout_log_probs)
         return batch, [items[i] for i in out.prompt_index.tolist()]
 
-    def score(self, batch: RolloutBatch, items) -> torch.Tensor:
+    def score(self, batch: RolloutBatch, items, details: Optional[list] = None) -> torch.Tensor:
+        """(B, T) token-level scores: each response's reward on its last token. ``details``
+        receives what the reward function returned per sample (see megappo.rewards.score_batch)."""
         from megappo.rewards import score_batch
 
         texts = [self.tokenizer.decode(batch.responses[i, :int(batch.response_mask[i].sum())].tolist(),
                                        skip_special_tokens=True) for i in range(len(batch))]
         scores = score_batch([it.data_source for it in items], texts, [it.ground_truth for it in items],
-                             [it.extra_info for it in items], custom=self.custom_reward)
+                             [it.extra_info for it in items], custom=self.custom_reward, details=details)
         tls = torch.zeros_like(batch.response_mask)
         last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
         tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
@@ -212,12 +227,10 @@ class PPOTrainer:
         cfg, arr, t = self.cfg, self.cfg.actor_rollout_ref, self.timer
         metrics = {}
         with t("step"):
-            items = [self.train_data[i] for i in self.sampler.next_batch()]
-            with t("gen"):
-                sampling = SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length)
-                global_batch, global_items = self.rollout(items, sampling)
+            sampling = SamplingConfig.from_config(arr.rollout, cfg.data.max_response_length)
+            global_batch, global_items = self._generate(sampling)
             self.engine.sleep()
-            local_batch = self._reward_and_deal(global_batch, global_items)
+            local_batch = self._deal(global_batch)
             with t("old_log_prob"):
                 local_batch.old_log_prob = self._old_log_prob(local_batch)
             self._check_finite("old_log_prob", old_log_prob=local_batch.old_log_prob)
@@ -249,54 +262,127 @@ class PPOTrainer:
             self.logger.log(self.step_no, metrics)
         return metrics
 
-    def _reward_and_deal(self, global_batch: RolloutBatch, global_items: list) -> RolloutBatch:
-        """Score every sample (rule/custom function on the whole global batch, or the reward model on
-        this rank's rows), shape the scores (DAPO's overlong penalty) and deal this DP rank its
-        rows, balanced per actor mini-batch. Shaping metrics go to ``self._reward_metrics``."""
-        from megappo.workers.batching import deal_to_dp
+    def _generate(self, sampling) -> tuple[RolloutBatch, list]:
+        """This step's scored samples (every rank holds them all) and their prompts. With DAPO's
+        dynamic sampling (algorithm.filter_groups) rounds of data.gen_batch_size prompts are
+        generated and scored, groups whose metric does not vary are dropped, until
+        data.train_batch_size prompts are kept (the last round's surplus is dropped too)."""
+        fg = self.cfg.algorithm.filter_groups
+        self._reward_metrics = {}
+        if not fg.enable:
+            items = [self.train_data[i] for i in self.sampler.next_batch()]
+            with self.timer("gen"):
+                global_batch, global_items = self.rollout(items, sampling)
+            self.engine.sleep()
+            self._score(global_batch, global_items)
+            return global_batch, global_items
+        want, kept, kept_items, n_kept, n_prompts, rounds = self.cfg.data.train_batch_size, [], [], 0, 0, 0
+        generated_scores = []
+        while n_kept < want:
+            if fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches:
+                raise RuntimeError(
+                    f"step {self.step_no + 1}: {rounds} generation rounds kept {n_kept} of data.train_batch_size="
+                    f"{want} prompts (algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): almost "
+                    f"every group scores the same {fg.metric}; check the data and the reward, or raise the limit")
+            if self.engine.asleep:  # a reward model ran: the engine dropped its weights for it
+                self.sync_weights()
+            items = [self.train_data[i] for i in self.sampler.next_batch()]
+            with self.timer("gen"):  # salt 1 is validation's
+                batch, its = self.rollout(items, sampling, salt=0 if rounds == 0 else rounds + 1)
+            if self.reward_model is not None:
+                self.engine.sleep()
+            values = self._score(batch, its)
+            metric = values[fg.metric]
+            generated_scores.append(values["seq_reward"])
+            rows = torch.nonzero(algo.informative_groups(metric, batch.prompt_index)).squeeze(-1)
+            groups = torch.unique_consecutive(batch.prompt_index[rows])[:want - n_kept]
+            rows = rows[torch.isin(batch.prompt_index[rows], groups)]
+            part = batch.select(rows)
+            part.prompt_index = n_kept + torch.searchsorted(groups, part.prompt_index)  # groups 0..want-1
+            kept.append(part)
+            kept_items += [its[i] for i in rows.tolist()]
+            n_kept += len(groups)
+            n_prompts += len(items)
+            rounds += 1
+        # critic/score/* describe the kept (filtered) batch; this is the policy's score on all it generated
+        self._reward_metrics.update({"train/num_gen_batches": float(rounds), "train/kept_prompt_fraction": n_kept / n_prompts,
+                                     "train/generated_score_mean": float(torch.cat(generated_scores).mean())})
+        return RolloutBatch.concat(kept, self.pad_id), kept_items
 
+    def _score(self, global_batch: RolloutBatch, global_items: list) -> dict:
+        """Score every sample: the rule/custom function on the whole global batch, or the reward
+        model on this rank's rows (the batch's DP deal), assembled on every rank; then the shaping
+        (DAPO's overlong penalty; its metrics go to ``self._reward_metrics``). Returns the
+        per-sample values dynamic sampling can filter on."""
         if self.reward_model is None:
             with self.timer("reward"):
-                global_batch.token_level_scores = self.score(global_batch, global_items)
-        lengths = (global_batch.prompt_lengths + global_batch.response_mask.sum(-1).long()).tolist()
-        n = self.cfg.actor_rollout_ref.rollout.n
-        rows = deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp,
-                          self.cfg.trainer.balance_batch)[self.dp_rank]
-        local_batch = global_batch.select(rows)
-        if self.reward_model is not None:
+                details = []
+                global_batch.token_level_scores = self.score(global_batch, global_items, details)
+        else:
+            rows, details = self._dp_rows(global_batch), []
             with self.timer("reward"):
-                local_batch.token_level_scores = self.reward_model.compute_scores(
-                    local_batch, **self.batching.reward.kwargs())
-                global_batch.token_level_scores = self._assemble_rows(local_batch.token_level_scores, rows,
-                                                                      len(global_batch))
-        ob, self._reward_metrics = self.cfg.reward_model.overlong_buffer, {}
+                local = self.reward_model.compute_scores(global_batch.select(rows), **self.batching.reward.kwargs())
+                global_batch.token_level_scores = self._assemble_rows(local, rows, len(global_batch))
+        out = {"score": global_batch.token_level_scores.sum(-1)}
+        ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            global_batch.token_level_scores, self._reward_metrics = algo.overlong_penalty(
+            global_batch.token_level_scores, m = algo.overlong_penalty(
                 global_batch.token_level_scores, global_batch.response_mask,
                 max_response_length=self.cfg.data.max_response_length, buffer_len=ob.len,
                 penalty_factor=ob.penalty_factor)
-            local_batch.token_level_scores = global_batch.token_level_scores[rows]
+            self._reward_metrics.update(m)
         self._check_finite("reward", scores=global_batch.token_level_scores)
-        return local_batch
+        out["seq_reward"] = out["seq_final_reward"] = global_batch.token_level_scores.sum(-1)
+        if self.cfg.algorithm.filter_groups.metric == "acc":
+            out["acc"] = _acc(details, self.reward_model is not None)
+        if self.cfg.algorithm.gdpo_reward_keys:
+            global_batch.reward_components = _reward_components(details, self.cfg.algorithm.gdpo_reward_keys)
+        return out
+
+    def _dp_rows(self, global_batch: RolloutBatch) -> list[int]:
+        """This DP rank's rows of the global batch, balanced per actor mini-batch."""
+        from megappo.workers.batching import deal_to_dp
+
+        lengths = (global_batch.prompt_lengths + global_batch.response_mask.sum(-1).long()).tolist()
+        n = self.cfg.actor_rollout_ref.rollout.n
+        return deal_to_dp(lengths, self.batching.actor_mini_batch * n, self.dp, self.cfg.trainer.balance_batch)[self.dp_rank]
+
+    def _deal(self, global_batch: RolloutBatch) -> RolloutBatch:
+        """This DP rank's rows; each keeps its row number in the global batch (``sample_index``)."""
+        global_batch.sample_index = torch.arange(len(global_batch))
+        return global_batch.select(self._dp_rows(global_batch))
 
     def _old_log_prob(self, local_batch: RolloutBatch) -> torch.Tensor:
         """The actor's log-probs before the update; in rollout correction's bypass mode the
         engine's own (no forward pass)."""
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             return local_batch.rollout_log_probs.clone()
+        if "sum_pi_squared" in algo.get_estimator(self.cfg.algorithm.adv_estimator).inputs:
+            # optimal_token_baseline: sum pi^2 from the same logits as the old log-probs
+            lp, local_batch.sum_pi_squared = self.actor.compute_log_prob(
+                local_batch, with_sum_pi_squared=True, **self.batching.old_log_prob.kwargs())
+            return lp
         return self.actor.compute_log_prob(local_batch, **self.batching.old_log_prob.kwargs())
 
     def _rollout_correction(self, local_batch: RolloutBatch) -> dict:
-        """The engine-vs-trainer drift metrics and, with algorithm.rollout_correction.rollout_is,
-        the truncated importance weights the policy loss multiplies (DP-global metrics)."""
+        """The engine-vs-trainer drift metrics; with algorithm.rollout_correction.rollout_is the
+        truncated importance weights the policy loss multiplies; with rollout_rs the rejection
+        mask every loss applies (DP-global metrics)."""
         metrics = algo.rollout_probs_diff(local_batch.rollout_log_probs, local_batch.old_log_prob,
                                           local_batch.response_mask)
         rc = self.cfg.algorithm.rollout_correction
-        if rc.rollout_is is not None:
+        # bypass mode: old = the engine's, weights and rejection come from the current policy in the loss
+        if rc.rollout_is is not None and not rc.bypass_mode:
             local_batch.rollout_is_weights, m = algo.rollout_is_weights(
                 local_batch.old_log_prob, local_batch.rollout_log_probs, local_batch.response_mask,
                 level=rc.rollout_is, threshold=rc.rollout_is_threshold, batch_normalize=rc.rollout_is_batch_normalize,
                 dp_group=self.dp_group)
+            metrics.update(m)
+        if rc.rollout_rs is not None and not rc.bypass_mode:
+            # the tokens (or whole sequences) out of bounds leave every loss; lengths stay as they are
+            local_batch.rollout_rs_mask, m = algo.rollout_rejection_mask(
+                local_batch.old_log_prob, local_batch.rollout_log_probs, local_batch.response_mask,
+                rs=rc.rollout_rs, threshold=rc.rollout_rs_threshold, dp_group=self.dp_group)
             metrics.update(m)
         return metrics
 
@@ -313,7 +399,10 @@ class PPOTrainer:
         local_batch.advantages, local_batch.returns = algo.compute_advantages(
             al.adv_estimator, token_level_rewards=local_batch.token_level_rewards,
             response_mask=local_batch.response_mask, values=local_batch.values, group_index=local_batch.prompt_index,
-            gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group)
+            gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group,
+            old_log_probs=local_batch.old_log_prob, sum_pi_squared=local_batch.sum_pi_squared,
+            rollout_is_weights=local_batch.rollout_is_weights, reward_components=local_batch.reward_components,
+            reward_weights=al.gdpo_reward_weights)
         return metrics
 
     def _update_critic(self, local_batch: RolloutBatch) -> dict:
@@ -484,6 +573,31 @@ class PPOTrainer:
             history.append(metrics)
         self.logger.close()
         return history
+
+
+def _reward_components(details: list, keys: list) -> dict:
+    """name -> (B,) float64: the reward function's per-component scores (gdpo_reward_keys)."""
+    from megappo.rewards import RewardFunctionError
+
+    for i, d in enumerate(details):
+        missing = [k for k in keys if not (isinstance(d, dict) and k in d)]
+        if missing:
+            raise RewardFunctionError(f"algorithm.gdpo_reward_keys={list(keys)} needs the reward function to return a "
+                                      f"dict with each of them; sample {i} returned {d!r} (missing {missing})")
+    return {k: torch.tensor([float(d[k]) for d in details], dtype=torch.float64) for k in keys}
+
+
+def _acc(details: list, reward_model: bool) -> torch.Tensor:
+    """(B,) the reward function's ``acc`` per sample (DAPO's filter metric)."""
+    from megappo.rewards import RewardFunctionError
+
+    missing = [i for i, d in enumerate(details) if not (isinstance(d, dict) and "acc" in d)]
+    if reward_model or missing:
+        raise RewardFunctionError(
+            "algorithm.filter_groups.metric=acc needs the reward function to return a dict with 'acc' "
+            + ("(a reward model gives scores only)" if reward_model else
+               f"(sample {missing[0]} returned {details[missing[0]]!r})") + "; or filter on score / seq_reward")
+    return torch.tensor([float(d["acc"]) for d in details], dtype=torch.float64)
 
 
 def _any_nonfinite(worker) -> torch.Tensor:

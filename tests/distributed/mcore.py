@@ -47,6 +47,28 @@ def run_schedule(chunks, batches, loss_from_output, forward_only=True):
         micro_batch_size=batches[0].shape[0], forward_only=forward_only)
 
 
+def train_step(ddp_chunks, optimizer, info, batches):
+    """One real update: maximise the log-likelihood of random tokens (moves every weight)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from megappo.distributed import log_probs_from_logits
+
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def loss(output, ids):
+        lp = log_probs_from_logits(output[:, :-1], ids[:, 1:], tp_group, vocab_size=info.desc.vocab_size)
+        return -lp.mean(), {"nll": -lp.mean().detach()}
+
+    for c in ddp_chunks:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    run_schedule(ddp_chunks, batches, loss, forward_only=False)
+    finalize_model_grads(ddp_chunks)
+    ok, _, _ = optimizer.step()
+    assert ok
+
+
 def token_log_probs(chunks, info, batches):
     """Per-token log-probs of each batch's tokens 1.. under the model; on the last PP stage (else [])."""
     from megatron.core import parallel_state as ps

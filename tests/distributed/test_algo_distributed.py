@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
-                                 log_probs_reference)
+                                 log_probs_reference, sum_pi_squared_from_vocab_parallel_logits)
 
 from harness import spawn
 
@@ -47,6 +47,12 @@ def _vocab_parallel_worker(rank, world, vocab, padded):
         g_shard, = torch.autograd.grad((lp * grad_lp).sum() + (h * grad_h).sum(), shard)
         results.append((lp, h, g_shard))
     assert all(torch.equal(x, y) for r in results[1:] for x, y in zip(results[0], r))
+    # sum of pi^2 (forward only), against the plain softmax of the full vocabulary
+    ref_spi2 = torch.softmax(full[..., :vocab], dim=-1).pow(2).sum(-1)
+    for chunk in (None, 4):
+        spi2 = sum_pi_squared_from_vocab_parallel_logits(full[..., rank * v_local:(rank + 1) * v_local],
+                                                         dist.group.WORLD, vocab_size=vocab, chunk_tokens=chunk)
+        torch.testing.assert_close(spi2, ref_spi2, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("world, vocab, padded", [(2, 50, 50), (2, 45, 48), (4, 61, 64)])
@@ -72,8 +78,26 @@ def _batch():
     return r, v, mask, gid, base
 
 
+def _estimator_inputs(r):
+    """The extra inputs of optimal_token_baseline and gdpo (the other estimators ignore them)."""
+    g = torch.Generator().manual_seed(7)
+    B = r.shape[0]
+    return dict(old_log_probs=-torch.rand(r.shape, generator=g, dtype=DT) * 3,
+                sum_pi_squared=torch.rand(r.shape, generator=g, dtype=DT),
+                rollout_is_weights=torch.rand(r.shape, generator=g, dtype=DT) * 2,
+                reward_components={"acc": torch.randint(0, 2, (B,), generator=g).to(DT),
+                                   "fmt": torch.rand(B, generator=g, dtype=DT)},
+                reward_weights=[1.0, 0.5])
+
+
+def _rows(inputs, sl):
+    return {k: ({n: c[sl] for n, c in v.items()} if isinstance(v, dict) else v[sl] if torch.is_tensor(v) else v)
+            for k, v in inputs.items()}
+
+
 def _dp_worker(rank, world, splits):
     r, v, m, gid, base = _batch()
+    extra = _estimator_inputs(r)
     bounds = [0]
     for n in splits:
         bounds.append(bounds[-1] + n)
@@ -92,11 +116,23 @@ def _dp_worker(rank, world, splits):
             continue
         kw = dict(gamma=0.95, lam=0.9, norm_adv_by_std_in_grpo=True)
         full_a, full_r = algo.compute_advantages(name, token_level_rewards=r, response_mask=m, values=v,
-                                                 group_index=gid, baseline_scores=base, **kw)
+                                                 group_index=gid, baseline_scores=base, **extra, **kw)
         a, ret = algo.compute_advantages(name, token_level_rewards=r[sl], response_mask=m[sl], values=v[sl],
-                                         group_index=gid[sl], baseline_scores=base[sl], dp_group=grp, **kw)
+                                         group_index=gid[sl], baseline_scores=base[sl], dp_group=grp,
+                                         **_rows(extra, sl), **kw)
         torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
         torch.testing.assert_close(ret, full_r[sl], atol=1e-12, rtol=0, msg=lambda s: f"{name}: {s}")
+    # optimal_token_baseline's per-position group sums when the ranks hold different widths
+    # (each rank's rows cut to their own longest response)
+    otb = {k: extra[k] for k in ("old_log_probs", "sum_pi_squared", "rollout_is_weights")}
+    full_a, _ = algo.compute_advantages("optimal_token_baseline", token_level_rewards=r, response_mask=m,
+                                        group_index=gid, **otb)
+    cols = m[sl].sum(0).nonzero()
+    w = int(cols.max().item()) + 1 if cols.numel() else 1
+    cut = {k: t[sl, :w] for k, t in otb.items()}
+    a, _ = algo.compute_advantages("optimal_token_baseline", token_level_rewards=r[sl, :w], response_mask=m[sl, :w],
+                                   group_index=gid[sl], dp_group=grp, **cut)
+    torch.testing.assert_close(a, full_a[sl, :w], atol=1e-12, rtol=0)
     # rollout correction: weights (batch-normalised) and their metrics are global
     g = torch.Generator().manual_seed(5)  # same on every rank
     old, eng = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)
@@ -106,6 +142,13 @@ def _dp_worker(rank, world, splits):
                                              dp_group=grp)
         torch.testing.assert_close(w_dp, w_full[sl], atol=1e-12, rtol=0)
         assert m_dp == pytest.approx(m_full, rel=1e-12), level
+    # rejection sampling: the mask is each token's / sequence's own, its metrics are global
+    for rs, th in (("token_k1,seq_mean_k3", "0.7_1.3,0.05"), ("seq_sum_k1,seq_max_k2,token_k2", "0.5_2.0,0.15,0.08")):
+        k_full, rs_full = algo.rollout_correction.rollout_rejection_mask(old, eng, m, rs=rs, threshold=th)
+        k_dp, rs_dp = algo.rollout_correction.rollout_rejection_mask(old[sl], eng[sl], m[sl], rs=rs, threshold=th,
+                                                                     dp_group=grp)
+        assert 0 < k_full.sum() < m.sum() and torch.equal(k_dp, k_full[sl])
+        assert rs_dp == pytest.approx(rs_full, rel=1e-9, abs=1e-12), rs
     # KL in reward: the batch KL and the controller update are global
     g = torch.Generator().manual_seed(3)  # same on every rank
     logp, ref = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)
@@ -114,6 +157,19 @@ def _dp_worker(rank, world, splits):
     _, m_dp = algo.apply_kl_in_reward(r[sl], logp[sl], ref[sl], m[sl], c_dp, "k3", dp_group=grp)
     assert m_dp["actor/reward_kl_penalty"] == pytest.approx(m_full["actor/reward_kl_penalty"], abs=1e-12)
     assert c_dp.value == pytest.approx(c_full.value, rel=1e-12)
+    # Clip-Cov / KL-Cov: each rank's share of the whole batch's selection (global means, top-k, keys)
+    g = torch.Generator().manual_seed(9)  # same on every rank
+    old = -torch.rand(r.shape, generator=g, dtype=DT) * 3
+    lp = old + torch.randn(r.shape, generator=g, dtype=DT) * 0.3
+    adv = torch.randn(r.shape, generator=g, dtype=DT)
+    keys = algo.token_keys(torch.arange(r.shape[0]), r.shape[1], 4)
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    full = algo.clip_cov_selection(old, lp, adv, m, keys, **clip)
+    part = algo.clip_cov_selection(old[sl], lp[sl], adv[sl], m[sl], keys[sl], dp_group=grp, **clip)
+    assert full.sum() > 1 and torch.equal(part, full[sl])
+    full = algo.kl_cov_selection(lp, adv, m, keys, kl_cov_ratio=0.1)
+    part = algo.kl_cov_selection(lp[sl], adv[sl], m[sl], keys[sl], kl_cov_ratio=0.1, dp_group=grp)
+    assert full.sum() > 1 and torch.equal(part, full[sl])
 
 
 @pytest.mark.parametrize("world, splits", [(2, (9, 9)), (2, (5, 13)), (4, (4, 6, 1, 7)), (4, (0, 10, 3, 5))])

@@ -8,35 +8,13 @@ import pytest
 import torch
 
 from harness import spawn
-from mcore import build, run_schedule, setup, token_log_probs
+from mcore import build, setup, token_log_probs, train_step
 
 pytestmark = pytest.mark.distributed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_models import VOCAB, save_tiny_model  # noqa: E402
 
 N_NEW = 8
-
-
-def _train_step(ddp_chunks, optimizer, info, batches):
-    """One real update: maximise the log-likelihood of random tokens (moves every weight)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
-
-    from megappo.distributed import log_probs_from_logits
-
-    tp_group = ps.get_tensor_model_parallel_group()
-
-    def loss(output, ids):
-        lp = log_probs_from_logits(output[:, :-1], ids[:, 1:], tp_group, vocab_size=info.desc.vocab_size)
-        return -lp.mean(), {"nll": -lp.mean().detach()}
-
-    for c in ddp_chunks:
-        c.zero_grad_buffer()
-    optimizer.zero_grad()
-    run_schedule(ddp_chunks, batches, loss, forward_only=False)
-    finalize_model_grads(ddp_chunks)
-    ok, _, _ = optimizer.step()
-    assert ok
 
 
 def _exported_hf_model(chunks, info, path):
@@ -118,14 +96,14 @@ def _worker(rank, world, path):
     assert stats["rollout/sync_buckets"] == info.desc.num_layers
     _check_engine_equals_actor(engine, chunks, info, path, prompts)
 
-    _train_step(ddp, optimizer, info, train)
+    train_step(ddp, optimizer, info, train)
     stale = _check_engine_equals_actor(engine, chunks, info, path, prompts, expect_equal=False)
     if stale is not None:
         assert stale > 1e-2, f"the engine's stale weights went unnoticed (diff {stale})"
     sync()
     _check_engine_equals_actor(engine, chunks, info, path, prompts)
 
-    _train_step(ddp, optimizer, info, train)  # a second sync after another step: nothing stale
+    train_step(ddp, optimizer, info, train)  # a second sync after another step: nothing stale
     sync()
     _check_engine_equals_actor(engine, chunks, info, path, prompts)
     engine.shutdown()

@@ -120,16 +120,28 @@ def _loss_mode_worker(rank, world, dirs, out_file):
     from megappo.workers import Actor
 
     batch = _global_batch()
+    batch.sample_index = torch.arange(len(batch))
     out = {}
     for mode in algo.list_policy_losses():
         info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
         actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=1e-3)
         batch.old_log_prob = actor.compute_log_prob(batch, 4)
-        m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4,
-                                loss=algo.PolicyLossSpec(loss_mode=mode, clip_ratio_high=0.28))
-        # on the host, the same loss on the same tensors: before the step, log-probs = old ones
+        spec = algo.PolicyLossSpec(loss_mode=mode, clip_ratio_high=0.28, dro_beta=0.05, clip_cov_ratio=0.05,
+                                   clip_cov_lb=-10.0, kl_cov_ratio=0.05)
+        m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4, loss=spec)
+        # on the host, the same loss on the same tensors: before the step, log-probs = old ones;
+        # Clip-Cov/KL-Cov: the mini-batch's selection with the first mini-batch's seed (0)
+        extra = {}
+        if mode in algo.COV_LOSSES:
+            lp, keys = batch.old_log_prob, algo.token_keys(batch.sample_index, batch.responses.shape[1], 0)
+            extra["cov_selected"] = (
+                algo.clip_cov_selection(lp, lp, batch.advantages, batch.response_mask, keys, **spec.clip_cov_kwargs())
+                if mode == "clip_cov" else
+                algo.kl_cov_selection(lp, batch.advantages, batch.response_mask, keys, kl_cov_ratio=0.05))
+            assert extra["cov_selected"].sum() >= 2
         want, _ = algo.compute_policy_loss(mode, batch.old_log_prob, batch.old_log_prob, batch.advantages,
-                                           batch.response_mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+                                           batch.response_mask, clip_ratio_low=0.2, clip_ratio_high=0.28, dro_beta=0.05,
+                                           **extra)
         out[mode] = [m["actor/pg_loss_per_minibatch"][0], float(want)]
     with open(out_file, "w") as f:
         json.dump(out, f)
@@ -146,6 +158,7 @@ def test_the_actor_uses_the_configured_policy_loss(model_dir, tmp_path):
     for mode, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), mode
     assert abs(got["gpg"][0] - got["vanilla"][0]) > 1e-2 and abs(got["gspo"][0] - got["vanilla"][0]) > 1e-4
+    assert abs(got["clip_cov"][0] - got["vanilla"][0]) > 1e-4   # its selected tokens dropped out of the loss
 
 
 def _rollout_is_worker(rank, world, dirs, out_file):
@@ -181,3 +194,48 @@ def test_rollout_correction_weights_reach_the_update(model_dir, tmp_path):
     for name, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), name
     assert abs(got["token"][0] - got["off"][0]) > 1e-3
+
+
+def _rejection_worker(rank, world, dirs, out_file):
+    """Rejection sampling reaches the actor's loss: decoupled (a batch field, the loss mask of
+    every term and its normaliser) and bypass mode (from the current policy, per micro-batch,
+    on the policy term only)."""
+    setup(1, 1)
+    from megappo.workers import Actor
+
+    batch = _global_batch()
+    mask = batch.response_mask
+    out = {}
+    for mode in ("decoupled", "bypass"):
+        info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1)
+        actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=1e-3)
+        lp = actor.compute_log_prob(batch, 4)
+        g = torch.Generator().manual_seed(7)
+        engine = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * mask   # the engine's, perturbed
+        keep, _ = algo.rollout_rejection_mask(lp, engine, mask, rs="token_k3", threshold="0.02")
+        assert 0.2 < float((keep * mask).sum() / mask.sum()) < 0.9
+        if mode == "decoupled":   # the trainer's old log-probs; the mask is a batch field
+            batch.old_log_prob, batch.rollout_rs_mask = lp, keep
+            m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4)
+            want, _ = algo.compute_policy_loss("vanilla", lp, lp, batch.advantages, mask * keep)
+            batch.rollout_rs_mask = None
+        else:                     # old = the engine's; the actor rejects against its own log-probs
+            batch.old_log_prob = engine
+            m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=4,
+                                    loss=algo.PolicyLossSpec(bypass_rejection=("token_k3", "0.02")))
+            want, _ = algo.compute_policy_loss("vanilla", engine, lp, batch.advantages, mask * keep,
+                                               global_tokens=mask.sum(), global_seqs=(mask.sum(-1) > 0).sum())
+        plain, _ = algo.compute_policy_loss("vanilla", batch.old_log_prob, lp, batch.advantages, mask)
+        out[mode] = [m["actor/pg_loss_per_minibatch"][0], float(want), float(plain)]
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+
+
+def test_rejection_sampling_reaches_the_actor_loss(model_dir, tmp_path):
+    out = str(tmp_path / "rs.json")
+    spawn(_rejection_worker, 1, model_dir, out)
+    with open(out) as f:
+        got = json.load(f)
+    for mode, (actor, want, plain) in got.items():
+        assert actor == pytest.approx(want, abs=1e-5), mode
+        assert abs(want - plain) > 1e-3, mode    # without the mask the loss would differ

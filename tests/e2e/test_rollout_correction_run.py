@@ -1,7 +1,8 @@
 """Rollout correction end to end (algorithm.rollout_correction), with the engine's log-probs
-perturbed on purpose (the trainer's rollout is wrapped): truncated importance weights are computed
-from them and logged; bypass mode trains against the engine's log-probs themselves. The bypass run
-also has DAPO's overlong penalty on (reward_model.overlong_buffer)."""
+perturbed on purpose (the trainer's rollout is wrapped): truncated importance weights and the
+rejection mask are computed from them and logged; bypass mode trains against the engine's
+log-probs themselves, with its REINFORCE loss and rejection. The bypass run also has DAPO's
+overlong penalty on (reward_model.overlong_buffer)."""
 import json
 import sys
 from pathlib import Path
@@ -46,9 +47,14 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
 
     p = make_tiny_setup(str(tmp_path / "tiny"))
     runs = {}
-    for name, extra in (("is", ["algorithm.rollout_correction.rollout_is=token",
-                                "algorithm.rollout_correction.rollout_is_threshold=1.5"]),
-                        ("bypass", ["algorithm.rollout_correction.bypass_mode=true",
+    rc = "algorithm.rollout_correction."
+    for name, extra in (("is", [rc + "rollout_is=token", rc + "rollout_is_threshold=1.5",
+                                # and rejection sampling of the tokens whose ratio is beyond [0.5, 2]
+                                rc + "rollout_rs=token_k1", rc + "rollout_rs_threshold=0.5_2.0"]),
+                        ("bypass", [rc + "bypass_mode=true",
+                                    # with bypass mode's REINFORCE loss and its own rejection
+                                    rc + "loss_type=reinforce", rc + "rollout_is=token", rc + "rollout_rs=token_k3",
+                                    rc + "rollout_rs_threshold=0.5",
                                     # and DAPO's overlong penalty over the whole response length
                                     "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
                                     "reward_model.overlong_buffer.len=${data.max_response_length}"])):
@@ -61,6 +67,8 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
     assert abs(first["rollout_corr/rollout_is_mean"] - 1) > 0.02 and first["rollout_corr/rollout_is_max"] > 1.5
     assert 0 < first["rollout_corr/rollout_is_ratio_fraction_high"] < 1
     assert first["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)   # one mini-batch: starts on-policy
+    # rejection sampling dropped some tokens, not all (its metric, verl's name, over both ranks)
+    assert 0 < first["rollout_corr/rollout_rs_masked_fraction"] < 1, first
     # bypass: the old log-probs ARE the engine's: no drift metric, and the first update already
     # sees the engine-vs-trainer gap in its ratio
     b = runs["bypass"][0]

@@ -273,7 +273,8 @@ def test_gae_estimator_whitens_advantages_not_returns(gamma, lam):
 
 def test_group_of_one_everywhere():
     """A group with one sample (e.g. after filtering) keeps its raw score in every group estimator
-    (before rpp_baseline's batch whitening; gpg scales it by alpha), as in verl; Pass@k refuses it."""
+    (before rpp_baseline's and gdpo's batch whitening; gpg scales it by alpha; optimal_token_baseline
+    keeps its reward-to-go), as in verl; Pass@k refuses it."""
     r, m, _ = outcome_batch(5, groups=(1, 1, 1))
     gid = torch.arange(3)
     s = scores_of(r.tolist(), m.tolist())
@@ -288,6 +289,17 @@ def test_group_of_one_everywhere():
     a, _ = algo.compute_advantages("gpg", token_level_rewards=r, response_mask=m, group_index=gid)
     alpha = len(s) / sum(1 for x in s if x != 0)
     torch.testing.assert_close(a, T(broadcast([alpha * x for x in s], m.tolist())), atol=1e-12, rtol=0)
+    # optimal_token_baseline: no baseline, the reward-to-go; gdpo: each component's raw score
+    # (/ (1 + 1e-6)), weighted and summed, before the batch whitening
+    lp, spi2 = -torch.rand(r.shape, dtype=DT), torch.rand(r.shape, dtype=DT)
+    a, ret = algo.compute_advantages("optimal_token_baseline", token_level_rewards=r, response_mask=m, group_index=gid,
+                                     old_log_probs=lp, sum_pi_squared=spi2)
+    torch.testing.assert_close(a, T(ref_return_to_go(r.tolist(), m.tolist(), 1.0)), atol=1e-12, rtol=0)
+    extra = [0.3, -2.0, 1.5]
+    a, _ = algo.compute_advantages("gdpo", token_level_rewards=r, response_mask=m, group_index=gid,
+                                   reward_components={"x": T(s), "y": T(extra)}, reward_weights=[2.0, 1.0])
+    want = [(2.0 * x + y) / (1 + 1e-6) for x, y in zip(s, extra)]
+    torch.testing.assert_close(a, T(ref_whiten(broadcast(want, m.tolist()), m.tolist())), atol=1e-9, rtol=0)
     with pytest.raises(ValueError, match="grpo_passk needs at least 2 samples per group; group 0 has 1"):
         algo.compute_advantages("grpo_passk", token_level_rewards=r, response_mask=m, group_index=gid)
 
@@ -365,3 +377,205 @@ def test_registry_errors_and_extension():
     assert a.tolist() == [[-1.0, 1.0]]
     assert not algo.get_estimator(name).needs_critic
     assert algo.get_estimator("gae").needs_critic and algo.get_estimator("grpo").group_relative
+
+
+# ------------------------------------------------------------------------------------------
+# optimal_token_baseline and gdpo (verl's estimators that take more than the rewards)
+# ------------------------------------------------------------------------------------------
+
+def token_batch(seed, groups=(4, 3, 1, 5, 2), L=11, holes=False):
+    """Token-level rewards, old log-probs, sum pi^2 and IS weights for samples in groups of the
+    given sizes (shuffled ids). Group 0's longest response is unique, group 3's is tied; junk
+    at masked positions."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = [gid for gid, n in enumerate(groups) for _ in range(n)]
+    rnd.shuffle(ids)
+    B = len(ids)
+    lengths = [rnd.randint(1, L - 2) for _ in range(B)]
+    members = {k: [i for i in range(B) if ids[i] == k] for k in range(len(groups))}
+    lengths[members[0][0]] = L                      # unique longest of group 0
+    for i in members[0][1:]:
+        lengths[i] = min(lengths[i], L - 3)
+    lengths[members[3][0]] = lengths[members[3][1]] = L - 1   # tied longest of group 3
+    for i in members[3][2:]:
+        lengths[i] = min(lengths[i], L - 4)
+    m = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).to(DT)
+    if holes:
+        hole = torch.rand(B, L, generator=g) < 0.2
+        hole[:, 0] = False
+        m = m * (~hole)
+    junk = torch.randn(B, L, generator=g, dtype=DT) * 50
+    r = torch.where(m > 0, torch.randn(B, L, generator=g, dtype=DT), junk)
+    lp = torch.where(m > 0, -torch.rand(B, L, generator=g, dtype=DT) * 4, junk)
+    spi2 = torch.where(m > 0, torch.rand(B, L, generator=g, dtype=DT), junk)
+    rho = torch.where(m > 0, torch.rand(B, L, generator=g, dtype=DT) * 2, junk)
+    return r, m, torch.tensor([100 + k for k in ids]), lp, spi2, rho
+
+
+def ref_otb(r, m, ids, lp, spi2, rho=None, zero_tail=True, eps=1e-8):
+    """OTB from its formula, one group and one position at a time:
+    G_t = sum_{s>=t} r_s, W_t = sum_{s<=t} (1 - 2 exp(logp_s) + sum pi^2_s) rho_s^2,
+    b_t = sum_i G_t W_t / (sum_i W_t + eps) over the group's members with a token at t."""
+    B, L = len(r), len(r[0])
+    G = [[0.0] * L for _ in range(B)]
+    W = [[0.0] * L for _ in range(B)]
+    for i in range(B):
+        pos = [t for t in range(L) if m[i][t]]
+        for t in range(L):
+            G[i][t] = sum(r[i][s] for s in pos if s >= t)
+            W[i][t] = sum((1 - 2 * math.exp(lp[i][s]) + spi2[i][s]) * (rho[i][s] ** 2 if rho else 1.0)
+                          for s in pos if s <= t)
+    base = [[0.0] * L for _ in range(B)]
+    for g in set(ids):
+        mem = [i for i in range(B) if ids[i] == g]
+        if len(mem) == 1:
+            continue                                   # a singleton: no baseline
+        for t in range(L):
+            num = sum(G[i][t] * W[i][t] for i in mem if m[i][t])
+            den = sum(W[i][t] for i in mem if m[i][t])
+            for i in mem:
+                base[i][t] = num / (den + eps)
+        if zero_tail:
+            n = sorted(((sum(m[i]), i) for i in mem), reverse=True)
+            if n[0][0] > n[1][0]:                      # one longest response: past the second-longest
+                for t in range(int(n[1][0]), L):       # length it is alone, keep its return
+                    base[n[0][1]][t] = 0.0
+    adv = [[G[i][t] - base[i][t] if m[i][t] else 0.0 for t in range(L)] for i in range(B)]
+    ret = [[G[i][t] if m[i][t] else 0.0 for t in range(L)] for i in range(B)]
+    return adv, ret
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("with_is", [False, True])
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_optimal_token_baseline(holes, with_is, zero_tail):
+    for seed in range(3):
+        r, m, gid, lp, spi2, rho = token_batch(seed, holes=holes)
+        want_a, want_r = ref_otb(r.tolist(), m.tolist(), gid.tolist(), lp.tolist(), spi2.tolist(),
+                                 rho.tolist() if with_is else None, zero_tail)
+        kw = dict(token_level_rewards=r, response_mask=m, group_index=gid, old_log_probs=lp, sum_pi_squared=spi2,
+                  rollout_is_weights=rho if with_is else None)
+        if zero_tail:   # verl's default, what compute_advantages gives
+            a, ret = algo.compute_advantages("optimal_token_baseline", **kw)
+        else:
+            a, ret = algo.get_estimator("optimal_token_baseline").fn(handle_zero_tail=False, dp_group=None, **kw)
+        torch.testing.assert_close(a, T(want_a), atol=1e-9, rtol=0)
+        torch.testing.assert_close(ret, T(want_r), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("with_is", [False, True])
+def test_tir_optimal_token_baseline_counts_response_tokens_only(with_is):
+    """The multi-turn variant: the loop reference run on each row's response tokens moved to the
+    front (k-th response token against the group's k-th), mapped back to their positions; without
+    masked tokens inside responses it is optimal_token_baseline itself."""
+    for seed in range(3):
+        r, m, gid, lp, spi2, rho = token_batch(seed, holes=True)
+        B, L = m.shape
+        pos = [[t for t in range(L) if m[i, t]] for i in range(B)]
+        pack = lambda x: [[float(x[i, t]) for t in pos[i]] + [0.0] * (L - len(pos[i])) for i in range(B)]  # noqa: E731
+        cm = [[1.0] * len(pos[i]) + [0.0] * (L - len(pos[i])) for i in range(B)]
+        ca, cr = ref_otb(pack(r), cm, gid.tolist(), pack(lp), pack(spi2), pack(rho) if with_is else None)
+        want_a, want_r = torch.zeros(B, L, dtype=DT), torch.zeros(B, L, dtype=DT)
+        for i in range(B):
+            for k, t in enumerate(pos[i]):
+                want_a[i, t], want_r[i, t] = ca[i][k], cr[i][k]
+        kw = dict(token_level_rewards=r, response_mask=m, group_index=gid, old_log_probs=lp, sum_pi_squared=spi2,
+                  rollout_is_weights=rho if with_is else None)
+        a, ret = algo.compute_advantages("tir_optimal_token_baseline", **kw)
+        torch.testing.assert_close(a, want_a, atol=1e-9, rtol=0)
+        torch.testing.assert_close(ret, want_r, atol=1e-9, rtol=0)
+        r2, m2, gid2, lp2, spi22, rho2 = token_batch(seed, holes=False)
+        kw2 = dict(token_level_rewards=r2, response_mask=m2, group_index=gid2, old_log_probs=lp2, sum_pi_squared=spi22)
+        a1, _ = algo.compute_advantages("tir_optimal_token_baseline", **kw2)
+        a2, _ = algo.compute_advantages("optimal_token_baseline", **kw2)
+        assert torch.equal(a1, a2)
+
+
+def test_optimal_token_baseline_zero_tail_and_singleton():
+    r, m, gid, lp, spi2, _ = token_batch(4)
+    kw = dict(token_level_rewards=r, response_mask=m, group_index=gid, old_log_probs=lp, sum_pi_squared=spi2)
+    a, ret = algo.compute_advantages("optimal_token_baseline", **kw)
+    a0, _ = algo.get_estimator("optimal_token_baseline").fn(handle_zero_tail=False, dp_group=None, **kw)
+    ids = gid.tolist()
+    lengths = m.sum(-1).tolist()
+    alone = {}                       # a group's unique longest response -> the second-longest length
+    for g in set(ids):
+        mem = sorted((lengths[i], i) for i in range(len(ids)) if ids[i] == g)
+        if len(mem) > 1 and mem[-1][0] > mem[-2][0]:
+            alone[mem[-1][1]] = int(mem[-2][0])
+    assert any(ids[i] == 100 for i in alone) and all(ids[i] != 103 for i in alone)   # group 0 unique, 3 tied
+    for i, second in alone.items():
+        # the unique longest response keeps its reward-to-go past the second-longest length ...
+        torch.testing.assert_close(a[i, second:], ret[i, second:], atol=0, rtol=0)
+        torch.testing.assert_close(a[i, :second], a0[i, :second], atol=0, rtol=0)
+        # ... where without zero-tail its own return (W/(W+eps) ~ 1) cancels it
+        assert a0[i, second:].abs().max().item() < 1e-6
+    assert (a - a0).abs().max().item() > 0.1
+    # a tied longest (group 3) and every other sample: the same either way
+    others = [i for i in range(len(ids)) if i not in alone]
+    torch.testing.assert_close(a[others], a0[others], atol=0, rtol=0)
+    # the singleton (group 2) keeps its reward-to-go
+    single = ids.index(102)
+    torch.testing.assert_close(a[single], ret[single], atol=0, rtol=0)
+    assert (a[m == 0] == 0).all() and (ret[m == 0] == 0).all()
+
+
+def ref_gdpo(components, weights, m, ids, norm=True):
+    """GDPO from its formula: per component, GRPO within each group (a singleton: mean 0, std 1),
+    the weighted sum, then whitened over the batch's response tokens."""
+    B = len(ids)
+    total = [0.0] * B
+    for comp, w in zip(components, weights):
+        by = ref_group(comp, ids)
+        for i in range(B):
+            members = by[ids[i]]
+            mean, std = (statistics.mean(members), statistics.stdev(members)) if len(members) > 1 else (0.0, 1.0)
+            total[i] += w * ((comp[i] - mean) / (std + 1e-6) if norm else comp[i] - mean)
+    return ref_whiten(broadcast(total, m), m)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+def test_gdpo(norm, weights):
+    r, m, gid = outcome_batch(11)
+    rnd = random.Random(3)
+    B = len(gid)
+    comps = {"accuracy": [rnd.choice([0.0, 1.0]) for _ in range(B)],
+             "format": [rnd.choice([0.0, 0.5, 1.0]) for _ in range(B)],
+             "length": [rnd.random() * 10 for _ in range(B)]}
+    want = ref_gdpo(list(comps.values()), weights or [1.0] * 3, m.tolist(), gid.tolist(), norm)
+    a, ret = algo.compute_advantages("gdpo", token_level_rewards=r, response_mask=m, group_index=gid,
+                                     norm_adv_by_std_in_grpo=norm, reward_weights=weights,
+                                     reward_components={k: T(v) for k, v in comps.items()})
+    torch.testing.assert_close(a, T(want), atol=1e-9, rtol=0)
+    torch.testing.assert_close(ret, a)
+    # decoupled: not GRPO of the summed reward (whitened), which the large "length" component would dominate
+    summed = [sum(w * c[i] for w, c in zip(weights or [1.0] * 3, comps.values())) for i in range(B)]
+    grpo_sum = T(ref_gdpo([summed], [1.0], m.tolist(), gid.tolist(), norm))
+    if norm:
+        assert (a - grpo_sum).abs().max().item() > 1e-3
+    else:   # without the std, centring is linear: whitened Dr.GRPO of the weighted sum
+        torch.testing.assert_close(a, grpo_sum, atol=1e-9, rtol=0)
+
+
+def test_estimators_name_their_missing_inputs():
+    r, m, gid, lp, spi2, _ = token_batch(0)
+    kw = dict(token_level_rewards=r, response_mask=m, group_index=gid)
+    with pytest.raises(ValueError, match="'optimal_token_baseline' needs old_log_probs"):
+        algo.compute_advantages("optimal_token_baseline", sum_pi_squared=spi2, **kw)
+    with pytest.raises(ValueError, match="'optimal_token_baseline' needs sum_pi_squared: per-token sum over the vocabulary"):
+        algo.compute_advantages("optimal_token_baseline", old_log_probs=lp, **kw)
+    with pytest.raises(ValueError, match="sum_pi_squared has shape \\(15, 10\\), the response mask \\(15, 11\\)"):
+        algo.compute_advantages("optimal_token_baseline", old_log_probs=lp, sum_pi_squared=spi2[:, :-1], **kw)
+    with pytest.raises(ValueError, match="'gdpo' needs reward_components: .*algorithm.gdpo_reward_keys"):
+        algo.compute_advantages("gdpo", **kw)
+    comps = {"a": torch.zeros(len(gid)), "b": torch.ones(len(gid))}
+    with pytest.raises(ValueError, match=r"gdpo: 1 reward weights \(algorithm.gdpo_reward_weights\) for 2 reward components \(a, b\)"):
+        algo.compute_advantages("gdpo", reward_components=comps, reward_weights=[1.0], **kw)
+    with pytest.raises(ValueError, match=r"reward component 'a' has shape \(3,\), expected \(15,\)"):
+        algo.compute_advantages("gdpo", reward_components={"a": torch.zeros(3)}, **kw)
+    with pytest.raises(ValueError, match="unknown estimator inputs"):
+        algo.register_estimator("test_only_bad_inputs", inputs=("values_of_something",))
+    assert algo.get_estimator("optimal_token_baseline").inputs == ("old_log_probs", "sum_pi_squared")
+    assert algo.get_estimator("gdpo").group_relative and algo.get_estimator("gae").inputs == ()

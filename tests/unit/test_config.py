@@ -349,6 +349,7 @@ TINY_TP2PP2 = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.te
 
 
 A = "actor_rollout_ref.actor."
+RC = "algorithm.rollout_correction."
 R = "actor_rollout_ref.rollout."
 WS = dict(world_size=6)          # validate(..., world_size=6): the launcher's WORLD_SIZE
 PATHS = dict(check_paths=True)   # a real start: files and folders must exist
@@ -435,10 +436,33 @@ RULES = [
     (["algorithm.gamma=-0.5"], {}, "algorithm.gamma", "must be in [0, 1], got -0.5"),
     (["algorithm.lam=1.5"], {}, "algorithm.lam", "must be in [0, 1], got 1.5"),
     ([A + "kl_loss_type=k4"], {}, A + "kl_loss_type", "unknown KL estimator 'k4'; supported: kl, k1"),
-    ([A + "policy_loss.loss_mode=ppo2"], {}, A + "policy_loss.loss_mode", "unknown policy loss 'ppo2'; registered: cispo, geo_mean"),
+    ([A + "policy_loss.loss_mode=ppo2"], {}, A + "policy_loss.loss_mode",
+     "unknown policy loss 'ppo2'; registered: cispo, clip_cov, dppo_kl"),
     ([A + "tau_pos=0"], {}, A + "tau_pos", "SAPO's gate temperature must be > 0, got 0.0"),
+    ([A + "policy_loss.clip_cov_ratio=0"], {}, A + "policy_loss.clip_cov_ratio", "must be > 0, got 0.0"),
+    ([A + "policy_loss.kl_cov_ratio=-1"], {}, A + "policy_loss.kl_cov_ratio", "must be > 0, got -1.0"),
+    ([A + "policy_loss.ppo_kl_coef=0"], {}, A + "policy_loss.ppo_kl_coef", "must be > 0, got 0.0"),
+    ([A + "policy_loss.clip_cov_ub=0.5"], {}, A + "policy_loss.clip_cov_ub", "must be above clip_cov_lb (1.0), got 0.5"),
+    ([A + "policy_loss.loss_mode=dro"], {}, A + "policy_loss.dro_beta", "loss_mode=dro needs a penalty weight > 0, got None"),
+    ([A + "policy_loss.loss_mode=dro", A + "policy_loss.dro_beta=0"], {}, A + "policy_loss.dro_beta",
+     "loss_mode=dro needs a penalty weight > 0, got 0.0"),
     (["algorithm.rollout_correction.rollout_is_threshold=0"], {}, "algorithm.rollout_correction.rollout_is_threshold",
      "must be > 0, got 0.0"),
+    # rejection sampling: the option list, then its bounds (one need site, the key at fault)
+    ([RC + "rollout_rs=token_k4", RC + "rollout_rs_threshold=2"], {}, RC + "rollout_rs",
+     "unknown option 'token_k4'; supported: token_k1, token_k2, token_k3, seq_sum_k1"),
+    ([RC + "rollout_rs=seq_mean_k3"], {}, RC + "rollout_rs_threshold", "is required with rollout_rs=seq_mean_k3"),
+    ([RC + "rollout_rs=token_k1,seq_max_k2", RC + "rollout_rs_threshold=0.5_2.0,0.1_1"], {}, RC + "rollout_rs_threshold",
+     "entry '0.1_1' for seq_max_k2: a k2/k3 option takes one upper bound"),
+    ([RC + "rollout_rs=seq_sum_k1", RC + "rollout_rs_threshold=0.5"], {}, RC + "rollout_rs_threshold",
+     "lower bound 2 above upper bound 0.5 keeps nothing"),
+    ([RC + "rollout_rs=token_k2,token_k3", RC + "rollout_rs_threshold=0.1,0.2,0.3"], {}, RC + "rollout_rs_threshold",
+     "has 3 entries for 2 options (token_k2, token_k3)"),
+    # bypass mode's REINFORCE loss
+    ([RC + "bypass_mode=true", RC + "loss_type=reinforce", A + "policy_loss.loss_mode=gspo"], {},
+     A + "policy_loss.loss_mode", "loss_type=reinforce with bypass_mode=true is the policy loss (as verl)"),
+    ([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=token", RC + "rollout_is_batch_normalize=true"],
+     {}, RC + "rollout_is_batch_normalize", "is not supported with loss_type=reinforce"),
     (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=100000"], {},
      "reward_model.overlong_buffer.len", "must be in (0, data.max_response_length="),
     (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=8",
@@ -446,11 +470,27 @@ RULES = [
      "must be >= 0, got -1.0"),
     (["algorithm.kl_penalty=full+"], {}, "algorithm.kl_penalty", "unknown KL estimator 'full+'; supported: kl, k1"),
     (["algorithm.adv_estimator=ppo2"], {}, "algorithm.adv_estimator",
-     "unknown advantage estimator 'ppo2'; registered: gae, gpg, grpo"),
+     "unknown advantage estimator 'ppo2'; registered: gae, gdpo, gpg, grpo"),
     (["critic.enable=false"], {}, "critic.enable", "algorithm.adv_estimator=gae needs a critic (values)"),
+    (["algorithm.adv_estimator=optimal_token_baseline", R + "n=4", "algorithm.rollout_correction.bypass_mode=true"], {},
+     "algorithm.rollout_correction.bypass_mode", "needs sum pi^2 from the old-log-prob pass, which bypass mode skips"),
+    (["algorithm.adv_estimator=gdpo", R + "n=4"], {}, "algorithm.gdpo_reward_keys",
+     "needs the reward components to normalise"),
+    (["algorithm.adv_estimator=gdpo", R + "n=4", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],
+     {}, "algorithm.gdpo_reward_weights", "needs one weight per gdpo_reward_keys entry (2), got 1"),
+    (["algorithm.adv_estimator=gdpo", R + "n=4", "algorithm.gdpo_reward_keys=[a]", "reward_model.enable=true"], {},
+     "reward_model.enable", "a reward model gives one score"),
     (["algorithm.adv_estimator=grpo", R + "n=1"], {}, R + "n", "needs rollout.n > 1 (got 1)"),
     (["algorithm.adv_estimator=rloo", R + "n=1"], {}, R + "n", "n > 1"),
     # -- sampling --------------------------------------------------------------------------------
+    (["algorithm.filter_groups.enable=true"], {}, "algorithm.filter_groups.metric",
+     "dynamic sampling needs the metric that must vary within a group: acc, score, seq_reward or seq_final_reward"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
+      "algorithm.use_kl_in_reward=true"], {}, "algorithm.filter_groups.metric",
+     "seq_final_reward with algorithm.use_kl_in_reward=true would need the old and reference log-probs"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "reward_model.enable=true"], {},
+     "algorithm.filter_groups.metric", "a reward model gives scores only: use score or seq_reward"),
+    (["data.gen_batch_size=16"], {}, "data.gen_batch_size", "set algorithm.filter_groups.enable=true or leave it null"),
     ([R + "temperature=-1"], {}, R + "temperature", "must be >= 0, got -1.0"),
     ([R + "val_kwargs.temperature=-1"], {}, R + "val_kwargs.temperature", "must be >= 0"),
     ([R + "top_p=0"], {}, R + "top_p", "must be in (0, 1], got 0.0"),
@@ -641,6 +681,31 @@ def test_grpo_skips_critic_rules_and_warns_when_forced():
     warnings = []
     ok(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "critic.enable=true"], warnings=warnings)
     assert any("critic.enable=true" in w for w in warnings)
+
+
+def test_rollout_correction_settings_pass_and_warn_where_verl_ignores_them():
+    """verl's rollout_rs / rollout_rs_threshold / loss_type presets pass; a threshold without
+    rollout_rs, loss_type=reinforce without bypass mode and rollout_is with bypass PPO-clip are
+    read by nothing (verl ignores them too): one warning each."""
+    for rs, th in (("token_k1", "0.5_2.0"), ("seq_mean_k1", "0.999_1.001"), ("seq_mean_k3", "0.01"),
+                   ("seq_sum_k1", "2"), ("token_k1,seq_max_k2", "0.6_1.4,0.05"), ("token_k2,seq_sum_k3", "0.1")):
+        warnings = []
+        ok([RC + f"rollout_rs={rs}", RC + f"rollout_rs_threshold={th}"], warnings=warnings)
+        assert not warnings, (rs, th, warnings)
+    warnings = []   # verl's bypass_pg_geo_rs preset, and bypass_pg_is
+    ok([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_rs=seq_mean_k1",
+        RC + "rollout_rs_threshold=0.999_1.001"], warnings=warnings)
+    ok([RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=sequence",
+        A + "policy_loss.loss_mode=reinforce"], warnings=warnings)
+    assert not warnings, warnings
+    for overrides, says in (([RC + "rollout_rs_threshold=0.01"], RC + "rollout_rs_threshold has no effect without rollout_rs"),
+                            ([RC + "loss_type=reinforce"], RC + "loss_type=reinforce has no effect without bypass_mode=true"),
+                            ([RC + "bypass_mode=true", RC + "rollout_is=token"], RC + "rollout_is has no effect")):
+        warnings = []
+        ok(overrides, warnings=warnings)
+        assert len(warnings) == 1 and warnings[0].startswith(says), warnings
+    err = fails([RC + "loss_type=pg"])
+    assert "expected one of 'ppo_clip', 'reinforce'" in dict(err.errors)[RC + "loss_type"]
 
 
 def test_rollout_tp_across_nodes_warns():

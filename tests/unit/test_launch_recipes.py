@@ -70,10 +70,12 @@ PLANNED = ["data.train_batch_size", "data.max_prompt_length", "data.max_response
            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
            "actor_rollout_ref.rollout.max_num_batched_tokens", "critic.ppo_max_token_len_per_gpu",
            "actor_rollout_ref.actor.megatron", "critic.megatron", "actor_rollout_ref.ref.megatron", "trainer.nnodes",
-           "trainer.n_gpus_per_node"]
+           "trainer.n_gpus_per_node", "data.gen_batch_size", "algorithm.adv_estimator", "algorithm.filter_groups",
+           "reward_model.overlong_buffer", "actor_rollout_ref.actor.clip_ratio_low",
+           "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c"]
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b"])
+@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b", "dapo_qwen3_8b"])
 def test_dry_run_plans_the_job_the_recipe_yaml_describes(recipe):
     """DRY_RUN=1 prints the memory plan; what the launch script resolves equals what its
     parallel_configs YAML alone gives (so `python -m megappo.plan --config <yaml>` plans the job)."""
@@ -90,6 +92,24 @@ def test_dry_run_plans_the_job_the_recipe_yaml_describes(recipe):
         want = get(alone, key)
         want = to_dict(want) if hasattr(want, "__dataclass_fields__") else want
         assert node == want, (key, node, want)
+
+
+def test_dapo_recipe_resolves_dapos_published_settings():
+    p = _dry("dapo_qwen3_8b.sh")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    act, al, ro = cfg["actor_rollout_ref"]["actor"], cfg["algorithm"], cfg["actor_rollout_ref"]["rollout"]
+    assert (cfg["data"]["train_batch_size"], cfg["data"]["gen_batch_size"], act["ppo_mini_batch_size"], ro["n"]) == (
+        512, 1536, 32, 16)
+    assert (cfg["data"]["max_prompt_length"], cfg["data"]["max_response_length"]) == (2048, 20480)
+    assert al["adv_estimator"] == "grpo" and al["use_kl_in_reward"] is False and act["use_kl_loss"] is False
+    assert al["filter_groups"] == {"enable": True, "metric": "score", "max_num_gen_batches": 10}
+    assert (act["clip_ratio_low"], act["clip_ratio_high"], act["clip_ratio_c"]) == (0.2, 0.28, 10.0)
+    assert act["loss_agg_mode"] == "token-mean" and act["entropy_coeff"] == 0
+    assert (act["optim"]["lr"], act["optim"]["lr_warmup_steps"], act["optim"]["weight_decay"]) == (1e-6, 10, 0.1)
+    assert cfg["reward_model"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0}
+    assert ro["val_kwargs"]["top_p"] == 0.7 and ro["val_kwargs"]["do_sample"] is True
+    assert "train: TP=2 PP=2 DP=2 | rollout: TP=2 DP=4" in p.stdout and ": FITS" in p.stdout
 
 
 def test_ray_launcher_rank_plan_keeps_nodes_contiguous():

@@ -157,8 +157,11 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("reward_model.reward_manager=dapo", None, None),
     ("reward_model.reward_manager=prime", "error", "must be naive or dapo"),
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", "error", "DAPO's overlong penalty is reward_model.overlong_buffer.* here"),
-    ("algorithm.rollout_correction.rollout_rs=token_k1", "error", "rejection sampling is not supported yet"),
-    ("+actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", "warn", "read by loss_mode clip_cov only"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", None, None),          # settings now (validated:
+    ("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", None, None),  # test_rollout_rs_and_reinforce)
+    ("algorithm.rollout_correction.loss_type=reinforce", None, None),
+    ("+actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", None, None),   # a setting now (clip_cov)
+    ("+actor_rollout_ref.actor.calculate_sum_pi_squared=True", None, None),
 ])
 def test_each_verl_only_key(arg, kind, fragment):
     from megappo.config import load_config
@@ -172,6 +175,34 @@ def test_each_verl_only_key(arg, kind, fragment):
         assert not errs and len(warnings) == 1 and warnings[0].startswith(key) and fragment in warnings[0], warnings
     else:
         assert not warnings and len(errs) == 1 and errs[0][0] == key and fragment in errs[0][1], errs
+
+
+@pytest.mark.parametrize("args, key, fragment", [
+    (["rollout_rs=token_k1,seq_mean_k3", "rollout_rs_threshold=0.5_2.0,0.01"], None, None),
+    (["bypass_mode=true", "loss_type=reinforce", "rollout_is=sequence"], None, None),
+    (["bypass_mode=true", "loss_type=reinforce", "rollout_is=sequence", "rollout_rs=seq_mean_k1",
+      "rollout_rs_threshold=0.999_1.001"], None, None),
+    (["rollout_rs=token_k1"], "rollout_rs_threshold", "is required with rollout_rs=token_k1"),
+    (["rollout_rs=token_k5", "rollout_rs_threshold=2"], "rollout_rs", "unknown option 'token_k5'"),
+    (["rollout_rs=seq_max_k1", "rollout_rs_threshold=2"], "rollout_rs", "unknown option 'seq_max_k1'"),
+    (["rollout_rs=token_k2", "rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "takes one upper bound"),
+    (["loss_type=pg"], "loss_type", "expected one of 'ppo_clip', 'reinforce'"),
+])
+def test_rollout_rs_and_reinforce(args, key, fragment):
+    """verl's rejection sampling and bypass-mode REINFORCE keys are settings: a verl command with
+    valid ones runs (dry run), a bad option or bound is refused naming its key."""
+    quick = next(c for c in VERL_COMMANDS if c["kind"] == "quickstart")
+    rc, out, err = dry_run(quick["argv"] + ["algorithm.rollout_correction." + a for a in args])
+    if key is None:
+        assert rc == 0, err
+        cfg = yaml.safe_load(out[:out.index("# layout")])["algorithm"]["rollout_correction"]
+        for a in args:
+            k, v = a.split("=", 1)
+            assert _same(cfg[k], v), (k, cfg[k], v)
+        return
+    assert rc == 2
+    found = errors(err)
+    assert set(found) == {"algorithm.rollout_correction." + key} and fragment in found["algorithm.rollout_correction." + key], found
 
 
 def test_verl_memory_keys_are_settings():

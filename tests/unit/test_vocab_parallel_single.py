@@ -1,11 +1,11 @@
-"""Single-device (tp_group=None) vocab-parallel log-prob/entropy: equal to the naive computation,
+"""Single-device (tp_group=None) vocab-parallel log-prob/entropy/sum pi^2: equal to the naive computation,
 padded vocabulary ids excluded, low-precision logits handled in float32."""
 import pytest
 import torch
 
 from megappo import algo
 from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
-                                 log_probs_reference)
+                                 log_probs_reference, sum_pi_squared_from_vocab_parallel_logits)
 
 
 @pytest.mark.parametrize("vocab, padded", [(37, 37), (37, 40)])
@@ -82,3 +82,34 @@ def test_fused_log_probs_and_entropy_equal_the_separate_kernels(chunk):
     gc, = torch.autograd.grad((log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)[1] * w2).sum(), a)
     gd, = torch.autograd.grad((entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk) * w2).sum(), b)
     torch.testing.assert_close(gc, gd, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("vocab, padded", [(37, 37), (37, 40)])
+def test_sum_pi_squared_equals_plain_softmax(vocab, padded):
+    """sum_v pi_v^2 over the real vocabulary, chunked or not (same bits), forward only; with
+    large logits (a peaked softmax: sum pi^2 near 1) and small ones (near 1/V)."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 6, padded, generator=g, dtype=torch.float64) * 5
+    z[0] *= 20
+    z[1] *= 0.01
+    z[..., vocab:] = 30.0      # padding rows with large logits: would dominate if not excluded
+    ref = torch.softmax(z[..., :vocab], dim=-1).pow(2).sum(-1)
+    out = [sum_pi_squared_from_vocab_parallel_logits(z.clone().requires_grad_(True), vocab_size=vocab, chunk_tokens=c)
+           for c in (None, 5, 1000)]
+    torch.testing.assert_close(out[0], ref, atol=1e-12, rtol=1e-12)
+    assert all(torch.equal(out[0], o) for o in out[1:])
+    assert out[0].shape == (4, 6) and not out[0].requires_grad
+    assert out[0][0].min().item() > 0.5 and out[0][1].max().item() < 1.5 / vocab
+    # with the log-probs of the same logits: w = 1 - 2 pi_y + sum pi^2 = ||onehot(y) - pi||^2 >= 0
+    y = torch.randint(0, vocab, (4, 6), generator=g)
+    w = 1 - 2 * log_probs_from_logits(z, y, vocab_size=vocab).exp() + out[0]
+    p = torch.softmax(z[..., :vocab], dim=-1)
+    torch.testing.assert_close(w, (torch.nn.functional.one_hot(y, vocab) - p).pow(2).sum(-1), atol=1e-12, rtol=0)
+
+
+def test_sum_pi_squared_bf16_logits_in_float32():
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(8, 300, generator=g) * 8).bfloat16()
+    out = sum_pi_squared_from_vocab_parallel_logits(z, chunk_tokens=3)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.softmax(z.float(), dim=-1).pow(2).sum(-1), atol=1e-6, rtol=1e-5)

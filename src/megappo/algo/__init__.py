@@ -8,9 +8,11 @@ from .kl import (AdaptiveKLController, FixedKLController, apply_kl_in_reward, kl
                  make_kl_controller)
 from .losses import (LOSS_AGG_MODES, PolicyLossSpec, ValueLossSpec, agg_loss, entropy_from_logits, list_loss_agg_modes,
                      policy_loss, value_loss)
-from .policy_losses import POLICY_LOSSES, compute_policy_loss, list_policy_losses, register_policy_loss
-from .shaping import overlong_penalty
-from .rollout_correction import ROLLOUT_IS_LEVELS, rollout_is_weights
+from .policy_losses import COV_LOSSES, POLICY_LOSSES, compute_policy_loss, list_policy_losses, register_policy_loss
+from .cov_selection import clip_cov_selection, kl_cov_selection, token_cov, token_keys
+from .shaping import informative_groups, overlong_penalty
+from .rollout_correction import (ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS, parse_rollout_rs, rollout_is_weights,
+                                 rollout_rejection_mask, truncated_is_weights)
 from .stats import (global_count, global_seq_count, masked_mean, masked_sum, masked_var, masked_whiten,
                     rollout_probs_diff)
 
@@ -22,6 +24,8 @@ __all__ = [
     "apply_kl_in_reward",
     "LOSS_AGG_MODES", "list_loss_agg_modes", "agg_loss", "policy_loss", "value_loss", "entropy_from_logits",
     "PolicyLossSpec", "ValueLossSpec",
-    "POLICY_LOSSES", "register_policy_loss", "list_policy_losses", "compute_policy_loss",
-    "ROLLOUT_IS_LEVELS", "rollout_is_weights", "overlong_penalty",
+    "POLICY_LOSSES", "COV_LOSSES", "clip_cov_selection", "kl_cov_selection", "token_cov", "token_keys",
+    "register_policy_loss", "list_policy_losses", "compute_policy_loss",
+    "ROLLOUT_IS_LEVELS", "rollout_is_weights", "ROLLOUT_RS_OPTIONS", "parse_rollout_rs", "rollout_rejection_mask",
+    "truncated_is_weights", "overlong_penalty", "informative_groups",
 ]

@@ -28,7 +28,10 @@ __all__ = [
     "discounted_returns",
     "discounted_returns_reference",
     "group_stats",
+    "group_sums",
+    "group_max",
     "EstimatorSpec",
+    "ESTIMATOR_INPUTS",
     "register_estimator",
     "get_estimator",
     "list_estimators",
@@ -212,6 +215,18 @@ def group_sums(columns: torch.Tensor, group_index: torch.Tensor, dp_group=None) 
     return table[inv]
 
 
+def group_max(values: torch.Tensor, group_index: torch.Tensor, dp_group=None) -> torch.Tensor:
+    """(B,) -> (B,) float64: each sample's group maximum (over every rank's samples with
+    ``dp_group``)."""
+    uniq, inv = _group_ids(group_index, dp_group)
+    v = values.to(torch.float64)
+    table = torch.full((uniq.numel(),), float("-inf"), dtype=torch.float64, device=v.device)
+    table.scatter_reduce_(0, inv, v, reduce="amax", include_self=True)
+    if dp_group is not None:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=dp_group)
+    return table[inv]
+
+
 def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
     """Per-sample (count, mean, unbiased std) of the sample's group.
 
@@ -250,23 +265,40 @@ class EstimatorSpec:
     needs_critic: bool = False     # uses values (the run builds a critic)
     group_relative: bool = False   # compares samples of one prompt (needs rollout.n > 1)
     needs_baseline: bool = False   # needs a per-sample baseline score (ReMax)
+    inputs: tuple[str, ...] = ()   # further compute_advantages arguments it needs (see ESTIMATOR_INPUTS)
+
+
+ESTIMATOR_INPUTS = {
+    "old_log_probs": "the actor's per-token log-probs of the response before the update (B, T)",
+    "sum_pi_squared": "per-token sum over the vocabulary of pi^2 from the same forward pass as old_log_probs (B, T) "
+                      "(megappo.distributed.sum_pi_squared_from_vocab_parallel_logits)",
+    "reward_components": "a dict name -> per-sample score (B,) of every reward component named by "
+                         "algorithm.gdpo_reward_keys",
+}
+"""Optional inputs of :func:`compute_advantages` that an estimator can require (``inputs=``)."""
 
 
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
 def register_estimator(name: str, *, needs_critic: bool = False, group_relative: bool = False,
-                       needs_baseline: bool = False, aliases: tuple[str, ...] = ()):
+                       needs_baseline: bool = False, inputs: tuple[str, ...] = (), aliases: tuple[str, ...] = ()):
     """Decorator: register ``fn(**batch) -> (advantages, returns)`` under ``name`` (and aliases).
 
     The function receives keyword arguments token_level_rewards, response_mask, values,
-    group_index, gamma, lam, norm_adv_by_std_in_grpo, baseline_scores, dp_group.
+    group_index, gamma, lam, norm_adv_by_std_in_grpo, baseline_scores, dp_group, old_log_probs,
+    sum_pi_squared, rollout_is_weights, reward_components, reward_weights (None when not given);
+    ``inputs`` names those of :data:`ESTIMATOR_INPUTS` it cannot do without.
     """
+    unknown = [i for i in inputs if i not in ESTIMATOR_INPUTS]
+    if unknown:
+        raise ValueError(f"unknown estimator inputs {unknown}; known: {', '.join(ESTIMATOR_INPUTS)}")
+
     def deco(fn):
         for n in (name,) + tuple(aliases):
             if n in _REGISTRY:
                 raise ValueError(f"advantage estimator {n!r} is already registered")
-            _REGISTRY[n] = EstimatorSpec(n, fn, needs_critic, group_relative, needs_baseline)
+            _REGISTRY[n] = EstimatorSpec(n, fn, needs_critic, group_relative, needs_baseline, tuple(inputs))
         return fn
     return deco
 
@@ -284,8 +316,15 @@ def list_estimators() -> list[str]:
 
 def compute_advantages(estimator: str, *, token_level_rewards, response_mask, values=None, group_index=None,
                        gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
-                       baseline_scores=None, dp_group=None):
-    """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T)."""
+                       baseline_scores=None, dp_group=None, old_log_probs=None, sum_pi_squared=None,
+                       rollout_is_weights=None, reward_components=None, reward_weights=None):
+    """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T).
+
+    Optional inputs, used by the estimators that ask for them (others ignore them):
+    ``old_log_probs`` and ``sum_pi_squared`` (B, T) and ``rollout_is_weights`` (B, T, rollout
+    correction's truncated IS weights) for optimal_token_baseline; ``reward_components`` (dict
+    name -> (B,) scores) and ``reward_weights`` (one weight per component, None: all 1) for gdpo.
+    """
     spec = get_estimator(estimator)
     if spec.needs_critic and values is None:
         raise ValueError(f"advantage estimator {estimator!r} needs values (a critic)")
@@ -293,9 +332,15 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
         raise ValueError(f"advantage estimator {estimator!r} needs group_index (one id per prompt)")
     if spec.needs_baseline and baseline_scores is None:
         raise ValueError(f"advantage estimator {estimator!r} needs baseline_scores (the greedy rollout's scores)")
+    given = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "reward_components": reward_components}
+    for name in spec.inputs:
+        if given[name] is None:
+            raise ValueError(f"advantage estimator {estimator!r} needs {name}: {ESTIMATOR_INPUTS[name]}")
     return spec.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, values=values,
                    group_index=group_index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-                   baseline_scores=baseline_scores, dp_group=dp_group)
+                   baseline_scores=baseline_scores, dp_group=dp_group, old_log_probs=old_log_probs,
+                   sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
+                   reward_components=reward_components, reward_weights=reward_weights)
 
 
 def _outcome(scores: torch.Tensor, response_mask, dtype) -> torch.Tensor:
@@ -318,14 +363,18 @@ def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp
 def _grpo(*, token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, dp_group, **_):
     """A_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std); singleton group: mean 0, std 1.
     ``norm_adv_by_std_in_grpo=False``: A_i = s_i - mean_g (Dr.GRPO)."""
-    s = _scores(token_level_rewards, response_mask)
+    a = _grpo_normalised(_scores(token_level_rewards, response_mask), group_index, norm_adv_by_std_in_grpo, dp_group)
+    out = _outcome(a, response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+def _grpo_normalised(s: torch.Tensor, group_index, norm_by_std: bool, dp_group) -> torch.Tensor:
+    """(B,) float64 -> (s - mean_g) / (std_g + 1e-6), or s - mean_g; a singleton: mean 0, std 1."""
     cnt, mean, std = group_stats(s, group_index, dp_group)
     single = cnt <= 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
-    a = (s - mean) / (std + 1e-6) if norm_adv_by_std_in_grpo else s - mean
-    out = _outcome(a, response_mask, token_level_rewards.dtype)
-    return out, out
+    return (s - mean) / (std + 1e-6) if norm_by_std else s - mean
 
 
 @register_estimator("rloo", group_relative=True, aliases=("rloo_vectorized",))
@@ -421,4 +470,113 @@ def _grpo_passk(*, token_level_rewards, response_mask, group_index, norm_adv_by_
             a = best[1] - second[1]
             adv[row] = a / (std[row] + 1e-6) if norm_adv_by_std_in_grpo else a
     out = _outcome(adv, response_mask, token_level_rewards.dtype)
+    return out, out
+
+
+@register_estimator("optimal_token_baseline", group_relative=True, inputs=("old_log_probs", "sum_pi_squared"))
+def _optimal_token_baseline(*, token_level_rewards, response_mask, group_index, old_log_probs, sum_pi_squared,
+                            rollout_is_weights=None, dp_group=None, handle_zero_tail: bool = True,
+                            epsilon: float = 1e-8, **_):
+    """Optimal Token Baseline (verl's OTB, arXiv 2602.07078): a baseline per group and position.
+
+    G_{i,t} = sum_{s >= t} r_{i,s}                    (undiscounted reward-to-go)
+    w_{i,t} = 1 - 2 pi_{i,t} + sum_v pi_v^2          (= ||onehot(y_t) - pi||^2, the logit-gradient proxy;
+                                                      pi_{i,t} = exp(old_log_prob); times rho_{i,t}^2 with
+                                                      rollout correction's IS weights)
+    W_{i,t} = sum_{s <= t} w_{i,s}                    (cumulative over response tokens)
+    B_{g,t} = sum_{i in g} G_{i,t} W_{i,t} / (sum_{i in g} W_{i,t} + epsilon)   (response tokens at t)
+    A_{i,t} = G_{i,t} - B_{g(i),t};  returns = G.
+
+    A singleton group has B = 0 (A = its reward-to-go). ``handle_zero_tail`` (verl's default
+    True): when a group's longest response is unique, its baseline is 0 from column L2 (the
+    second-longest length) on, where it is the only member left and B would cancel its return.
+    Sums over every DP rank's members (``dp_group``); the ranks may hold different widths T.
+    """
+    shape = response_mask.shape
+    for name, x in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
+                    ("rollout_is_weights", rollout_is_weights)):
+        if x is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"optimal_token_baseline: {name} has shape {tuple(x.shape)}, the response mask {tuple(shape)}")
+    f64, m = torch.float64, response_mask.bool()
+    B, T = shape
+    zero = torch.zeros((), dtype=f64, device=response_mask.device)
+    r = torch.where(m, token_level_rewards.to(f64), zero)
+    G = r.flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * torch.exp(old_log_probs.to(f64)) + sum_pi_squared.to(f64)
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.to(f64) ** 2
+    W = torch.where(m, w, zero).cumsum(-1)
+    Wm = torch.where(m, W, zero)
+    # per (group, position) sums; with DP every rank pads its columns to the widest rank's T
+    Tg = T
+    if dp_group is not None:
+        width = torch.tensor([T], dtype=torch.int64, device=response_mask.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
+        Tg = int(width.item())
+    pad = (lambda x: torch.nn.functional.pad(x, (0, Tg - T))) if Tg > T else (lambda x: x)
+    sums = group_sums(torch.cat([pad(G * Wm), pad(Wm), torch.ones(B, 1, dtype=f64, device=G.device)], 1),
+                      group_index, dp_group)
+    num, den, cnt = sums[:, :T], sums[:, Tg:Tg + T], sums[:, 2 * Tg]
+    base = torch.where(cnt[:, None] > 1, num / (den + epsilon), zero)
+    if handle_zero_tail:
+        n = m.to(f64).sum(-1)
+        longest = group_max(n, group_index, dp_group)
+        at_max = (n == longest).to(f64)
+        n_longest = group_sums(at_max[:, None], group_index, dp_group)[:, 0]
+        second = group_max(torch.where(n < longest, n, torch.full_like(n, -1.0)), group_index, dp_group)
+        alone = (cnt > 1) & (n_longest == 1) & (n == longest)
+        cols = torch.arange(T, device=G.device, dtype=f64)
+        base = torch.where(alone[:, None] & (cols[None, :] >= second[:, None]), zero, base)
+    dt = token_level_rewards.dtype
+    return _zero_masked(G - base, m).to(dt), _zero_masked(G, m).to(dt)
+
+
+@register_estimator("tir_optimal_token_baseline", group_relative=True, inputs=("old_log_probs", "sum_pi_squared"))
+def _tir_optimal_token_baseline(*, token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                rollout_is_weights=None, **kw):
+    """optimal_token_baseline for multi-turn responses (verl's TIR variant): positions are counted
+    over the response tokens only, so the baseline at a sample's k-th response token averages the
+    group's k-th response tokens, whatever tool/observation tokens (masked) sit between them.
+    Identical to optimal_token_baseline when no masked token lies inside a response."""
+    m = response_mask.bool()
+    # the response tokens of each row moved to the front, in order (stable sort on "is masked")
+    order = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices
+    take = lambda x: None if x is None else x.gather(-1, order)  # noqa: E731
+    adv, ret = _optimal_token_baseline(token_level_rewards=take(token_level_rewards), response_mask=take(response_mask),
+                                       old_log_probs=take(old_log_probs), sum_pi_squared=take(sum_pi_squared),
+                                       rollout_is_weights=take(rollout_is_weights), **kw)
+    back = lambda x: torch.zeros_like(x).scatter(-1, order, x)  # noqa: E731
+    return back(adv), back(ret)
+
+
+@register_estimator("gdpo", group_relative=True, inputs=("reward_components",))
+def _gdpo(*, token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, reward_components,
+          reward_weights=None, dp_group=None, **_):
+    """GDPO (arXiv 2601.05242): each reward component normalised within its group on its own,
+    then a weighted sum, then whitened over the batch's response tokens:
+
+    a_{k,i} = (s_{k,i} - mean_g(s_k)) / (std_g(s_k) + 1e-6)   (as grpo: unbiased std; a singleton:
+                                                                mean 0, std 1; Dr.GRPO without std)
+    A_i     = sum_k w_k a_{k,i}                                (w = reward_weights, default all 1)
+    adv     = masked_whiten(A_i broadcast over i's tokens)     (token-weighted, DP-global); returns = adv.
+
+    ``reward_components``: name -> (B,) per-sample scores, in algorithm.gdpo_reward_keys order.
+    As in verl, ``token_level_rewards`` is not used (no KL-in-reward, no overlong penalty).
+    """
+    comps = list(reward_components.items())
+    if not comps:
+        raise ValueError("gdpo needs at least one reward component (algorithm.gdpo_reward_keys)")
+    weights = [1.0] * len(comps) if reward_weights is None else [float(x) for x in reward_weights]
+    if len(weights) != len(comps):
+        raise ValueError(f"gdpo: {len(weights)} reward weights (algorithm.gdpo_reward_weights) for "
+                         f"{len(comps)} reward components ({', '.join(k for k, _ in comps)})")
+    B = response_mask.shape[0]
+    total = torch.zeros(B, dtype=torch.float64, device=response_mask.device)
+    for (name, scores), wk in zip(comps, weights):
+        s = torch.as_tensor(scores, dtype=torch.float64, device=response_mask.device)
+        if tuple(s.shape) != (B,):
+            raise ValueError(f"gdpo: reward component {name!r} has shape {tuple(s.shape)}, expected ({B},): one score per sample")
+        total = total + wk * _grpo_normalised(s, group_index, norm_adv_by_std_in_grpo, dp_group)
+    out = masked_whiten(_outcome(total, response_mask, torch.float64), response_mask, group=dp_group)
+    out = out.to(token_level_rewards.dtype)
     return out, out

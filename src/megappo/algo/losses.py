@@ -41,12 +41,29 @@ class PolicyLossSpec:
     loss_mode: str = "vanilla"           # megappo.algo.policy_losses
     tau_pos: float = 1.0                 # SAPO's gate temperatures
     tau_neg: float = 1.05
+    dro_beta: Optional[float] = None     # DRO's log-ratio penalty; loss_mode dro requires it > 0
+    clip_cov_ratio: float = 0.0002       # Clip-Cov: share of tokens taken out of the gradient
+    clip_cov_lb: float = 1.0             # Clip-Cov: covariance range of the candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002         # KL-Cov: share of tokens penalised
+    ppo_kl_coef: float = 0.1             # KL-Cov: weight of |logp - old_logp| on them
+    rollout_is: Optional[str] = None     # reinforce: truncated IS weights pi / pi_old per token|sequence
+    rollout_is_threshold: float = 2.0
+    # bypass mode's rejection sampling (rollout_rs, rollout_rs_threshold): the current policy against
+    # the old log-probs (the engine's), per micro-batch, on the policy loss only; None: off
+    bypass_rejection: Optional[tuple] = None
 
     def loss_kwargs(self) -> dict:
         """The keyword arguments of :func:`megappo.algo.compute_policy_loss` this spec fixes."""
         return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
                     clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, tau_pos=self.tau_pos,
-                    tau_neg=self.tau_neg)
+                    tau_neg=self.tau_neg, dro_beta=self.dro_beta, ppo_kl_coef=self.ppo_kl_coef,
+                    rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold)
+
+    def clip_cov_kwargs(self) -> dict:
+        """The settings of :func:`megappo.algo.clip_cov_selection`."""
+        return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+                    clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub)
 
 
 @dataclass(frozen=True)

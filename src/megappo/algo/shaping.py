@@ -1,4 +1,5 @@
-"""Reward shaping: DAPO's overlong penalty (arXiv 2503.14476, verl's ``reward_model.overlong_buffer``).
+"""DAPO's batch shaping (arXiv 2503.14476): the overlong penalty (verl's
+``reward_model.overlong_buffer``) and the group filter of dynamic sampling (``algorithm.filter_groups``).
 
 A response longer than ``max_response_length - buffer_len`` loses ``penalty_factor`` times the
 fraction of the buffer it used: penalty = min(0, -(len - (max_len - buffer_len)) / buffer_len
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["overlong_penalty"]
+__all__ = ["overlong_penalty", "informative_groups"]
 
 
 def overlong_penalty(token_level_scores: torch.Tensor, response_mask: torch.Tensor, *, max_response_length: int,
@@ -28,3 +29,19 @@ def overlong_penalty(token_level_scores: torch.Tensor, response_mask: torch.Tens
     metrics = {"reward/overlong_penalty_mean": float(penalty.mean()) if penalty.numel() else 0.0,
                "reward/overlong_fraction": float((penalty < 0).double().mean()) if penalty.numel() else 0.0}
     return out, metrics
+
+
+def informative_groups(metric: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the samples of groups whose ``metric`` is not the same for all members, and of
+    singleton groups (nothing to compare; verl keeps them too). A group that is all right or all
+    wrong has zero advantage under every group-relative estimator: it only dilutes the batch.
+    "The same" is exact equality, where verl tests ``np.std(values) > 0``, which keeps e.g. a
+    group of three 0.1s (the mean 0.30000000000000004 / 3 is not 0.1)."""
+    if metric.shape != group_index.shape or metric.dim() != 1:
+        raise ValueError(f"metric {tuple(metric.shape)} and group_index {tuple(group_index.shape)} must be the same (B,)")
+    ids, inverse = torch.unique(group_index, return_inverse=True)
+    m = metric.to(torch.float64)
+    lo = torch.full((len(ids),), float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, m, "amin")
+    hi = torch.full((len(ids),), float("-inf"), dtype=torch.float64).scatter_reduce(0, inverse, m, "amax")
+    size = torch.zeros(len(ids), dtype=torch.long).scatter_add(0, inverse, torch.ones_like(inverse))
+    return ((hi > lo) | (size == 1))[inverse]

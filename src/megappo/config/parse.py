@@ -74,7 +74,13 @@ def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
                 items = [text]  # a single value stands for a one-element list, as in verl
         if not isinstance(items, (list, tuple)):
             items = [items]
-        return [_coerce(x, elem, from_text) for x in items]
+        out = []
+        for x in items:
+            try:
+                out.append(_coerce(x, elem, from_text))
+            except ValueError as e:
+                raise ValueError(f"expected {_type_name(tp)}, got {value!r}: {e}") from None
+        return out
     if tp is bool:
         if isinstance(value, bool):
             return value

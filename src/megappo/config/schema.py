@@ -51,6 +51,7 @@ class DataConfig:
     val_files: list[str] = _f(["~/data/gsm8k/test.parquet"], "Validation prompt parquet files.")
     prompt_key: str = _f("prompt", "Column holding the chat messages of each prompt.")
     train_batch_size: int = _f(1024, "Prompts per training step (each is sampled rollout.n times).")
+    gen_batch_size: Optional[int] = _f(None, "Prompts per generation round with algorithm.filter_groups (DAPO's dynamic sampling): rounds repeat until train_batch_size prompts with informative groups are kept; null means train_batch_size. Only with filter_groups.enable.")
     val_batch_size: Optional[int] = _f(None, "Prompts per validation batch; null means the whole validation set at once.")
     max_prompt_length: int = _f(512, "Prompt length in tokens after the chat template; prompts are left-padded to it.")
     max_response_length: int = _f(512, "Maximum generated tokens per response.")
@@ -125,7 +126,13 @@ def _inherit_megatron(cls=MegatronConfig):
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = _f("vanilla", "Policy loss: vanilla (PPO clip + dual clip), gspo (sequence-level ratio; use its small clip_ratio_low/high, e.g. 3e-4/4e-4), sapo (smooth gate, tau_pos/tau_neg), cispo (clipped importance weight, gradient on every token), gpg (plain policy gradient), geo_mean (GMPO). See megappo/algo/policy_losses.py.")
+    loss_mode: str = _f("vanilla", "Policy loss: vanilla (PPO clip + dual clip), gspo (sequence-level ratio; use its small clip_ratio_low/high, e.g. 3e-4/4e-4), sapo (smooth gate, tau_pos/tau_neg), cispo (clipped importance weight, gradient on every token), gpg (plain policy gradient), geo_mean (GMPO), dppo_tv / dppo_kl (DPPO: trust region on the sampled token's probability change / binary KL, thresholds clip_ratio_low/high, truncated IS weight capped at clip_ratio_c), dro (Direct Reward Optimisation: policy gradient with a quadratic log-ratio penalty, needs dro_beta), clip_cov / kl_cov (Clip-Cov / KL-Cov: a few tokens with high covariance of advantage and log-prob, chosen over the whole mini-batch, lose their gradient / pay a KL penalty; one extra forward pass per mini-batch). See megappo/algo/policy_losses.py.")
+    dro_beta: Optional[float] = _f(None, "DRO's penalty weight beta on (logp - old_logp)^2 / 2 per token (loss_mode=dro, where it must be set > 0; read by no other loss).")
+    clip_cov_ratio: float = _f(0.0002, "clip_cov: share of the mini-batch's response tokens taken out of the gradient (at least one).")
+    clip_cov_lb: float = _f(1.0, "clip_cov: candidates have a covariance above this ...")
+    clip_cov_ub: float = _f(5.0, "clip_cov: ... and below this (and are not clipped by PPO's ratio clip already).")
+    kl_cov_ratio: float = _f(0.0002, "kl_cov: share of the mini-batch's response tokens, those of largest covariance, that pay ppo_kl_coef |logp - old_logp| (at least one).")
+    ppo_kl_coef: float = _f(0.1, "kl_cov: weight of the |logp - old_logp| penalty on its tokens.")
 
 
 @dataclass
@@ -136,9 +143,9 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = _f(16384, "Token budget of one micro-batch when use_dynamic_bsz.")
     ppo_epochs: int = _f(1, "Passes over each training batch.")
     clip_ratio: float = _f(0.2, "PPO clip epsilon; the default of clip_ratio_low and clip_ratio_high.")
-    clip_ratio_low: Optional[float] = _f(None, "Lower clip epsilon; null means clip_ratio. (verl defaults it to 0.2, which silently ignores a changed clip_ratio.)")
-    clip_ratio_high: Optional[float] = _f(None, "Upper clip epsilon (DAPO's clip-higher); null means clip_ratio.")
-    clip_ratio_c: float = _f(3.0, "Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens.")
+    clip_ratio_low: Optional[float] = _f(None, "Lower clip epsilon; null means clip_ratio. (verl defaults it to 0.2, which silently ignores a changed clip_ratio.) For dppo_tv / dppo_kl: the trust region's bound on a decrease (probability change / binary KL).")
+    clip_ratio_high: Optional[float] = _f(None, "Upper clip epsilon (DAPO's clip-higher); null means clip_ratio. For dppo_tv / dppo_kl: the bound on an increase.")
+    clip_ratio_c: float = _f(3.0, "Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens. For dppo_tv / dppo_kl: the cap of the truncated importance weight min(r, c) (DPPO's paper wants it large; verl's DPPO example sets 10000).")
     tau_pos: float = _f(1.0, "SAPO's gate temperature for tokens with a positive advantage (policy_loss.loss_mode=sapo).")
     tau_neg: float = _f(1.05, "SAPO's gate temperature for the other tokens.")
     policy_loss: PolicyLossConfig = _sub(PolicyLossConfig, "Which policy loss.")
@@ -173,6 +180,7 @@ class RolloutConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "vLLM compute dtype.")
     enforce_eager: Optional[bool] = _f(None, "Run vLLM eagerly (no CUDA graphs / torch.compile). null (megappo's default, verl's is true): false on GPU, where CUDA graphs speed up decoding, true on CPU, where compilation costs ~30 s at start for ~15% faster decoding (benchmarks/rollout.py).")
     free_cache_engine: bool = _f(True, "Free vLLM's KV cache and weights while training (sleep/wake; a no-op on CPU).")
+    shard_sync: bool = _f(True, "Weight sync sends each rank's own TP shard in vLLM's layout, with no TP gather, when rollout TP equals training TP and the engine's parameters match (megappo.rollout.shard_sync); false always gathers full tensors. Either way the engine ends with the same weights.")
     max_num_batched_tokens: int = _f(8192, "vLLM scheduler token budget per step.")
     max_num_seqs: int = _f(1024, "vLLM's maximum concurrent sequences.")
     log_prob_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per micro-batch when the actor recomputes old log-probs; required unless log_prob_use_dynamic_bsz.")
@@ -236,18 +244,31 @@ class RolloutCorrectionConfig:
     rollout_is_threshold: float = _f(2.0, "Upper bound of the importance weights (truncation).")
     rollout_is_batch_normalize: bool = _f(False, "Divide the weights by their batch mean (over every DP rank) so they average 1.")
     bypass_mode: bool = _f(False, "Use the rollout engine's log-probs as old log-probs (no old-log-prob forward pass; the PPO ratio then corrects for the engine's policy).")
+    rollout_rs: Optional[str] = _f(None, "Rejection sampling: response tokens (token_k1/k2/k3) or whole sequences (seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3: the sum, mean or max over the sequence) whose divergence between the trainer's policy and the engine's (k1 = log(pi_rollout / pi_old), k2 = (log ratio)^2 / 2, k3 = r - 1 - log r) is out of bounds leave the loss; comma-separated options must all pass; null: off.")
+    rollout_rs_threshold: Optional[str] = _f(None, "Bounds of rollout_rs (required with it): one entry for all options or one per option, comma-separated; k2/k3: an upper bound (e.g. 0.01); k1: ratio bounds lower_upper (e.g. 0.5_2.0; one number u means 1/u_u). In YAML write 0.5_2.0 or quote it: YAML reads 0.5_2 as the number 0.52.")
+    loss_type: Literal["ppo_clip", "reinforce"] = _f("ppo_clip", "The policy loss in bypass mode: ppo_clip (actor.policy_loss.loss_mode as set) or reinforce (-A w logp with w = min(pi / pi_rollout, rollout_is_threshold) from the current policy, per rollout_is level; no weights when rollout_is is null). Read only with bypass_mode=true.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = _f(False, "DAPO's dynamic sampling: drop every group (the rollout.n samples of one prompt) whose samples all have the same metric, and generate more rounds of data.gen_batch_size prompts until data.train_batch_size prompts are kept; the surplus of the last round is dropped.")
+    metric: Optional[Literal["acc", "score", "seq_reward", "seq_final_reward"]] = _f(None, "What must vary within a group: acc (the reward function's 'acc' in its returned dict), score (its score before shaping), seq_reward (the sequence's reward after DAPO's overlong penalty), seq_final_reward (that minus the in-reward KL; equal to seq_reward without use_kl_in_reward). Required with enable.")
+    max_num_gen_batches: int = _f(0, "Stop with an error naming this key after this many generation rounds in one step without enough kept prompts; 0 or less: no limit.")
 
 
 @dataclass
 class AlgorithmConfig:
     gamma: float = _f(1.0, "Discount factor.")
     lam: float = _f(1.0, "GAE lambda.")
-    adv_estimator: str = _f("gae", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ...")
-    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO divides by the group std; false gives Dr.GRPO.")
+    adv_estimator: str = _f("gae", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, optimal_token_baseline (a baseline per group and token position, weighted by each response's accumulated 1 - 2 pi + sum pi^2 from the old-log-prob pass), tir_optimal_token_baseline (the same, positions counted over response tokens only: multi-turn), gdpo (each reward component of gdpo_reward_keys normalised within its group, then weighted, summed and whitened over the batch). See megappo/algo/advantages.py.")
+    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO divides by the group std; false gives Dr.GRPO. Also gdpo's per-component normalisation.")
+    gdpo_reward_keys: Optional[list[str]] = _f(None, "gdpo: the reward components, keys of the dict the reward function returns (e.g. [accuracy_reward, format_reward]); required with adv_estimator=gdpo.")
+    gdpo_reward_weights: Optional[list[float]] = _f(None, "gdpo: one weight per gdpo_reward_keys entry for the sum of the normalised components; null: all 1.")
     use_kl_in_reward: bool = _f(False, "Subtract a KL penalty from the token rewards.")
     kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty (same kinds as kl_loss_type).")
     kl_ctrl: KLCtrlConfig = _sub(KLCtrlConfig, "KL-in-reward coefficient controller.")
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig, "Correction for the gap between the rollout engine's policy and the trainer's.")
+    filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig, "DAPO's dynamic sampling (group filtering).")
 
 
 @dataclass

@@ -74,7 +74,7 @@ def validate(
     dp = _layout(cfg, need, W, world_size)
     _batches(cfg, need, dp)
     _ppo_and_kl(cfg, need, W)
-    _sampling(cfg, need)
+    _sampling(cfg, need, W)
     _optimizers(cfg, need)
     _trainer(cfg, need)
     if check_paths:
@@ -93,7 +93,7 @@ def _sizes(cfg: PPOConfig, need: Need) -> None:
                 "algorithm.kl_ctrl.horizon"):
         v = get(cfg, key)
         need(isinstance(v, int) and v >= 1, key, f"must be a positive integer, got {v!r}")
-    for key in ("data.val_batch_size", A + "ppo_micro_batch_size_per_gpu", R + "log_prob_micro_batch_size_per_gpu",
+    for key in ("data.val_batch_size", "data.gen_batch_size", A + "ppo_micro_batch_size_per_gpu", R + "log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
                 "critic.forward_micro_batch_size_per_gpu", "trainer.total_training_steps",
                 A + "megatron.virtual_pipeline_model_parallel_size",
@@ -212,14 +212,46 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
     losses = _known("policy_loss")
     need(act.policy_loss.loss_mode in losses, A + "policy_loss.loss_mode",
          f"unknown policy loss {act.policy_loss.loss_mode!r}; registered: {', '.join(losses)}")
+    pl = act.policy_loss
+    for key in ("clip_cov_ratio", "kl_cov_ratio", "ppo_kl_coef"):
+        need(getattr(pl, key) > 0, A + "policy_loss." + key, f"must be > 0, got {getattr(pl, key)}")
+    need(pl.clip_cov_lb < pl.clip_cov_ub, A + "policy_loss.clip_cov_ub",
+         f"must be above clip_cov_lb ({pl.clip_cov_lb}), got {pl.clip_cov_ub}")
     for key in ("tau_pos", "tau_neg"):
         need(getattr(act, key) > 0, A + key, f"SAPO's gate temperature must be > 0, got {getattr(act, key)}")
+    beta = act.policy_loss.dro_beta
+    if act.policy_loss.loss_mode == "dro":   # verl's default is null: DRO has no neutral penalty weight
+        need(beta is not None and beta > 0, A + "policy_loss.dro_beta",
+             f"loss_mode=dro needs a penalty weight > 0, got {beta}")
     rc = al.rollout_correction
     need(rc.rollout_is_threshold > 0, "algorithm.rollout_correction.rollout_is_threshold",
          f"must be > 0, got {rc.rollout_is_threshold}")
-    if rc.bypass_mode and rc.rollout_is is not None:
+    if rc.bypass_mode and rc.rollout_is is not None and rc.loss_type == "ppo_clip":
         W.append("algorithm.rollout_correction.rollout_is has no effect with bypass_mode=true: the old log-probs "
                  "are the rollout's, so every weight is 1 (the PPO ratio does the correction)")
+    if rc.rollout_rs is not None:
+        from megappo.algo.rollout_correction import RolloutRSError, parse_rollout_rs
+
+        try:
+            parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+            bad = None
+        except RolloutRSError as e:
+            bad = e
+        need(bad is None, bad.key if bad else "", bad.reason if bad else "")
+    elif rc.rollout_rs_threshold is not None:
+        W.append("algorithm.rollout_correction.rollout_rs_threshold has no effect without rollout_rs (rejection "
+                 "sampling is off)")
+    if rc.loss_type == "reinforce" and not rc.bypass_mode:
+        W.append("algorithm.rollout_correction.loss_type=reinforce has no effect without bypass_mode=true (as verl); "
+                 "the policy loss is actor.policy_loss.loss_mode, which may be reinforce itself")
+    elif rc.loss_type == "reinforce":
+        need(act.policy_loss.loss_mode in ("vanilla", "reinforce"), A + "policy_loss.loss_mode",
+             f"algorithm.rollout_correction.loss_type=reinforce with bypass_mode=true is the policy loss (as verl), "
+             f"so loss_mode={act.policy_loss.loss_mode} would be ignored: leave loss_mode vanilla or use loss_type=ppo_clip")
+        need(not (rc.rollout_is is not None and rc.rollout_is_batch_normalize),
+             "algorithm.rollout_correction.rollout_is_batch_normalize",
+             "is not supported with loss_type=reinforce: its weights come from the current policy in each "
+             "micro-batch, where a batch mean does not exist (verl averages each micro-batch over all ranks)")
     kl_kinds = _known("kl")
     need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
          f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")
@@ -237,14 +269,49 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         elif cr.enable:
             W.append(f"critic.enable=true but algorithm.adv_estimator={al.adv_estimator} does not use values: "
                      "the critic is trained and ignored")
+        if "sum_pi_squared" in spec.inputs:
+            need(not al.rollout_correction.bypass_mode, "algorithm.rollout_correction.bypass_mode",
+                 f"algorithm.adv_estimator={al.adv_estimator} needs sum pi^2 from the old-log-prob pass, which "
+                 "bypass mode skips")
+        if "reward_components" in spec.inputs:
+            keys, weights = al.gdpo_reward_keys, al.gdpo_reward_weights
+            if need(bool(keys), "algorithm.gdpo_reward_keys",
+                    f"algorithm.adv_estimator={al.adv_estimator} needs the reward components to normalise: keys of "
+                    "the dict the reward function returns, e.g. [accuracy_reward,format_reward]"):
+                need(weights is None or len(weights) == len(keys), "algorithm.gdpo_reward_weights",
+                     f"needs one weight per gdpo_reward_keys entry ({len(keys)}), got {len(weights or [])}")
+            need(not cfg.reward_model.enable, "reward_model.enable",
+                 f"algorithm.adv_estimator={al.adv_estimator} normalises the components of a reward function's "
+                 "dict; a reward model gives one score")
+            if al.use_kl_in_reward or cfg.reward_model.overlong_buffer.enable:
+                W.append(f"algorithm.adv_estimator={al.adv_estimator} reads the reward components only: the "
+                         "in-reward KL penalty and the overlong penalty do not reach its advantages (as verl)")
+        elif al.gdpo_reward_keys:
+            W.append(f"algorithm.gdpo_reward_keys is read by adv_estimator=gdpo only (it is {al.adv_estimator})")
         if spec.group_relative and n is not None:
             need(n > 1, R + "n",
                  f"algorithm.adv_estimator={al.adv_estimator} compares samples of the same prompt and needs "
                  f"rollout.n > 1 (got {n}): with n=1 every group is a singleton and the advantage degenerates")
 
 
-def _sampling(cfg: PPOConfig, need: Need) -> None:
-    d, ro = cfg.data, cfg.actor_rollout_ref.rollout
+def _sampling(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    d, ro, fg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.algorithm.filter_groups
+    if fg.enable:
+        need(fg.metric is not None, "algorithm.filter_groups.metric",
+             "dynamic sampling needs the metric that must vary within a group: acc, score, seq_reward or "
+             "seq_final_reward")
+        need(not (fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward),
+             "algorithm.filter_groups.metric", "seq_final_reward with algorithm.use_kl_in_reward=true would need "
+             "the old and reference log-probs of every generated sample before filtering; use seq_reward")
+        need(not (fg.metric == "acc" and cfg.reward_model.enable), "algorithm.filter_groups.metric",
+             "acc comes from a reward function's returned dict; a reward model gives scores only: use score or "
+             "seq_reward")
+        if _rollout_n(cfg) == 1:
+            W.append("algorithm.filter_groups.enable=true with rollout.n=1: every group is one sample and none "
+                     "is filtered")
+    if d.gen_batch_size is not None and d.gen_batch_size >= 1:  # (a bad size is reported by _sizes)
+        need(fg.enable, "data.gen_batch_size", "is the prompts per generation round of dynamic sampling; "
+             "set algorithm.filter_groups.enable=true or leave it null (each step generates train_batch_size)")
     for sect in (R, R + "val_kwargs."):
         t, p, k = get(cfg, sect + "temperature"), get(cfg, sect + "top_p"), get(cfg, sect + "top_k")
         need(t >= 0, sect + "temperature", f"must be >= 0, got {t}")

@@ -50,6 +50,9 @@ RULES: list[tuple[str, Rule]] = [
     ("data.return_raw_chat", _when(_truthy, "warn", "has no effect: the reward model must share the actor's tokenizer (no chat re-templating)")),
     ("trainer.log_val_generations", _when(_truthy, "warn", "has no effect yet: validation generations are not logged")),
     ("trainer.use_legacy_worker_impl", lambda v: None),
+    # megappo computes sum pi^2 in the old-log-prob pass whenever the estimator needs it (forward only)
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared", lambda v: None),
+    ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", lambda v: None),
     ("trainer.default_hdfs_dir", _when(lambda v: v is not None, "error", "must be null: HDFS copies are not supported; checkpoints go to trainer.default_local_dir")),
     ("ray_kwargs.*", _always("warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
     # features megappo lacks
@@ -57,12 +60,6 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: megappo starts from the HF folder in model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
     ("*.megatron.expert_model_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
     ("*.megatron.expert_tensor_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_*", _always("warn", "is read by loss_mode clip_cov only, which megappo does not have yet (issue 5/7); ignored")),
-    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", _always("warn", "is read by loss_mode kl_cov only, which megappo does not have yet (issue 5/7); ignored")),
-    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", _always("warn", "is read by loss_mode kl_cov only, which megappo does not have yet (issue 5/7); ignored")),
-    ("algorithm.rollout_correction.rollout_rs", _when(lambda v: v is not None, "error", "must be null: rejection sampling is not supported yet (issue 5/7); rollout_is gives truncated importance weights")),
-    ("algorithm.rollout_correction.rollout_rs_threshold", _when(lambda v: v is not None, "warn", "is read by rollout_rs only, which megappo does not have yet (issue 5/7); ignored")),
-    ("algorithm.rollout_correction.loss_type", _when(lambda v: v != "ppo_clip", "error", "must be ppo_clip: bypass mode's REINFORCE loss is not supported yet (issue 5/7)")),
     ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method and recompute_num_layers are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),

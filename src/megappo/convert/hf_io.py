@@ -21,7 +21,8 @@ import torch.distributed as dist
 from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
 from .parallel import layer_owner, tp_gather, tp_rows, to_global_name
 
-__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather", "RankCoords"]
+__all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather",
+           "RankCoords", "gather_full", "local_params"]
 
 
 class WeightLoadError(ValueError):
@@ -155,7 +156,7 @@ def _read_shard(pm: ParamMap, read: Callable, desc: ModelDesc, rank: int, size: 
     return read(pm.hf[0], pm.partition_dim, s)
 
 
-def _local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch.nn.Parameter]:
+def local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch.nn.Parameter]:
     """Global megatron name -> this rank's parameter, over all its VPP chunks."""
     out = {}
     for vp, chunk in enumerate(chunks):
@@ -187,7 +188,7 @@ def load_hf_weights(chunks, model_dir: str, desc: ModelDesc, coords: RankCoords 
     te = _te(chunks, te)
     ckpt = SafetensorsCheckpoint(model_dir)
     _check(ckpt, param_maps(desc, te), desc)
-    local = _local_params(chunks, desc, coords)
+    local = local_params(chunks, desc, coords)
     maps = _maps_for(desc, te, local)
     unknown = sorted(n for n in local if n not in maps)
     if unknown:
@@ -210,7 +211,7 @@ def plan_shared_gather(chunks, desc: ModelDesc, coords: RankCoords, te: Optional
     ``coords.mp_group``; plan once per model (parameters keep their storage)."""
     from .shm import SharedHFModel
 
-    return SharedHFModel.plan(_local_params(chunks, desc, coords), desc, coords, _te(chunks, te))
+    return SharedHFModel.plan(local_params(chunks, desc, coords), desc, coords, _te(chunks, te))
 
 
 @torch.no_grad()
@@ -230,24 +231,29 @@ def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Opti
             yield name, (t if dtype is None else t.to(dtype))
         return
     coords = coords or RankCoords()
-    te = _te(chunks, te)
-    local = _local_params(chunks, desc, coords)
-    any_param = next(iter(local.values()))
-    dt = any_param.dtype
-    for pm in param_maps(desc, te):
-        owner = coords.owner(pm, desc.num_layers)
-        if owner == coords.pp_rank:
-            shard = local[pm.megatron].detach()
-            if pm.partition_dim is not None and coords.tp > 1:
-                pieces = [torch.empty_like(shard) for _ in range(coords.tp)]
-                dist.all_gather(pieces, shard.contiguous(), group=coords.tp_group)
-                full = tp_gather(pieces, pm)
-            else:
-                full = shard
-        else:
-            full = torch.empty(full_shape(pm, desc), dtype=dt, device=any_param.device)
-        if coords.pp > 1:
-            full = full.contiguous()
-            dist.broadcast(full, src=dist.get_global_rank(coords.pp_group, owner), group=coords.pp_group)
-        for name, t in to_hf(pm, full, desc).items():
+    local = local_params(chunks, desc, coords)
+    for pm in param_maps(desc, _te(chunks, te)):
+        for name, t in to_hf(pm, gather_full(pm, local, desc, coords), desc).items():
             yield name, (t if dtype is None else t.to(dtype))
+
+
+def gather_full(pm: ParamMap, local: dict, desc: ModelDesc, coords: RankCoords) -> torch.Tensor:
+    """The full megatron tensor of ``pm`` on every rank of the model-parallel group: a TP
+    all-gather on the owning stage, then a broadcast over the pipeline. ``local``: this rank's
+    parameters by global name (:func:`local_params`). Collective over TP and PP groups."""
+    owner = coords.owner(pm, desc.num_layers)
+    any_param = next(iter(local.values()))
+    if owner == coords.pp_rank:
+        shard = local[pm.megatron].detach()
+        if pm.partition_dim is not None and coords.tp > 1:
+            pieces = [torch.empty_like(shard) for _ in range(coords.tp)]
+            dist.all_gather(pieces, shard.contiguous(), group=coords.tp_group)
+            full = tp_gather(pieces, pm)
+        else:
+            full = shard
+    else:
+        full = torch.empty(full_shape(pm, desc), dtype=any_param.dtype, device=any_param.device)
+    if coords.pp > 1:
+        full = full.contiguous()
+        dist.broadcast(full, src=dist.get_global_rank(coords.pp_group, owner), group=coords.pp_group)
+    return full

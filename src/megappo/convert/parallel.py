@@ -16,7 +16,7 @@ import torch
 from .tensor_maps import qkv_group_views
 from .names import ParamMap
 
-__all__ = ["tp_shard", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
+__all__ = ["tp_shard", "tp_shard_shape", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
            "to_local_name", "to_global_name", "shard_into_hf"]
 
 
@@ -37,6 +37,16 @@ def tp_shard(full: torch.Tensor, pm: ParamMap, rank: int, size: int) -> torch.Te
         return torch.cat([gate[s], up[s]], dim=0)
     s = tp_rows(full.shape[pm.partition_dim], rank, size)
     return full[s] if pm.partition_dim == 0 else full[:, s]
+
+
+def tp_shard_shape(full: tuple[int, ...], pm: ParamMap, size: int) -> tuple[int, ...]:
+    """Shape of one rank's piece of a full megatron tensor of shape ``full``."""
+    if pm.partition_dim is None or size == 1:
+        return tuple(full)
+    out = list(full)
+    tp_rows(out[pm.partition_dim], 0, size)  # raises when it does not divide
+    out[pm.partition_dim] //= size
+    return tuple(out)
 
 
 def tp_gather(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:

@@ -8,9 +8,10 @@ __all__ = ["PromptSampler", "dp_slice"]
 
 
 class PromptSampler:
-    def __init__(self, n_items: int, batch_size: int, *, shuffle: bool = True, seed: int = 1):
+    def __init__(self, n_items: int, batch_size: int, *, shuffle: bool = True, seed: int = 1,
+                 key: str = "data.train_batch_size"):
         if batch_size > n_items:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({n_items} prompts)")
+            raise ValueError(f"{key}={batch_size} is larger than the dataset ({n_items} prompts)")
         self.n, self.batch_size, self.shuffle, self.seed = n_items, batch_size, shuffle, seed
         self.epoch = 0
         self.position = 0  # batches already taken in this epoch

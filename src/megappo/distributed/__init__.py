@@ -5,7 +5,7 @@ Process groups are always arguments; nothing here reads megatron's global parall
 """
 from .device import host_dp_group, module_device, process_device
 from .vocab_parallel import (LOGITS_CHUNK_TOKENS, entropy_from_vocab_parallel_logits, log_probs_and_entropy,
-                             log_probs_from_logits, log_probs_reference)
+                             log_probs_from_logits, log_probs_reference, sum_pi_squared_from_vocab_parallel_logits)
 
 __all__ = ["process_device", "module_device", "host_dp_group", "log_probs_from_logits", "entropy_from_vocab_parallel_logits", "log_probs_reference",
-           "log_probs_and_entropy", "LOGITS_CHUNK_TOKENS"]
+           "log_probs_and_entropy", "sum_pi_squared_from_vocab_parallel_logits", "LOGITS_CHUNK_TOKENS"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["log_probs_from_logits", "entropy_from_vocab_parallel_logits", "log_probs_and_entropy", "log_probs_reference",
-           "LOGITS_CHUNK_TOKENS"]
+           "sum_pi_squared_from_vocab_parallel_logits", "LOGITS_CHUNK_TOKENS"]
 
 
 def _tp(tp_group) -> tuple[int, int]:
@@ -236,6 +236,32 @@ def entropy_from_vocab_parallel_logits(vocab_parallel_logits: torch.Tensor, tp_g
     """Entropy of softmax(z) over the whole (unpadded) vocabulary, (..., V_local) -> (...);
     chunked as :func:`log_probs_from_logits`."""
     return _VocabParallelEntropy.apply(vocab_parallel_logits, tp_group, vocab_size, chunk_tokens)
+
+
+@torch.no_grad()
+def sum_pi_squared_from_vocab_parallel_logits(vocab_parallel_logits: torch.Tensor, tp_group=None,
+                                              vocab_size: Optional[int] = None,
+                                              chunk_tokens: Optional[int] = LOGITS_CHUNK_TOKENS) -> torch.Tensor:
+    """sum_v softmax(z)_v^2 over the whole (unpadded) vocabulary, (..., V_local) -> (...): the
+    per-token input of the optimal_token_baseline estimator (w_t = 1 - 2 pi(y_t) + sum pi^2).
+
+    Computed as exp(logsumexp(2z) - 2 logsumexp(z)): two per-token logsumexps, each combined over
+    the TP group like the log-prob kernel's (only per-token scalars cross ranks), chunked by
+    ``chunk_tokens``. Forward only: no gradient (an advantage input). float32 out (float64 for
+    float64 logits). Padded vocabulary ids (>= ``vocab_size``) are excluded.
+    """
+    world, rank = _tp(tp_group)
+    flat = _flat(vocab_parallel_logits)
+    dt = _work_dtype(vocab_parallel_logits)
+    lse = torch.empty(flat.shape[0], dtype=dt, device=flat.device)
+    lse2 = torch.empty_like(lse)
+    for sl in _chunks(flat.shape[0], chunk_tokens):
+        z = _masked_padding(flat[sl], rank, vocab_size)
+        lse[sl] = torch.logsumexp(z, dim=-1)
+        lse2[sl] = torch.logsumexp(2.0 * z, dim=-1)
+    lse = _combine_lse(lse, tp_group, world)
+    lse2 = _combine_lse(lse2, tp_group, world)
+    return torch.exp(lse2 - 2.0 * lse).view(vocab_parallel_logits.shape[:-1])
 
 
 def log_probs_reference(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:

@@ -84,9 +84,12 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
     return fn
 
 
-def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None) -> list[float]:
+def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None,
+                details: Optional[list] = None) -> list[float]:
     """Score every sample; a failing or non-finite reward raises RewardFunctionError naming the
-    sample (verl's reward manager lets such errors stop the run; so do we, with a clear message)."""
+    sample (verl's reward manager lets such errors stop the run; so do we, with a clear message).
+    ``details``: a list that receives, per sample, the dict a reward function returned (e.g. with
+    DAPO's ``acc``), or None for a plain number."""
     import math
 
     extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
@@ -104,6 +107,8 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
             r = fn(*args)
         except Exception as e:
             raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+        if details is not None:
+            details.append(r if isinstance(r, dict) else None)
         if isinstance(r, dict):
             if "score" not in r:
                 raise RewardFunctionError(f"{where} returned a dict without 'score' for sample {i} (data_source={ds!r})")

@@ -5,7 +5,8 @@ One engine per rank, in-process:
   engine's tensor-parallel workers (blocks of ``rollout_tp`` consecutive ranks form one replica).
   vLLM reuses the already-initialised torch.distributed world and builds its own groups, so every
   rank constructs the engine at the same point of the program.
-- CPU: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each rank is its own replica (rollout TP 1).
+- CPU: the same launcher over gloo; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps even a
+  one-process engine in this process (both devices), so tensors are handed over, not pickled.
 
 The engine starts from vLLM's dummy weights (nothing read from disk) and receives every weight
 from the actor through :meth:`VLLMRollout.sync_weights`: in place, streamed in buckets that hold
@@ -16,6 +17,8 @@ Weight update path, by vLLM version: vllm 0.32/0.33 expose ``reload_weights`` on
 (``model_executor.model_loader.reload.inplace``), which takes an iterator of HF-named full
 tensors, runs the model's own ``load_weights`` (fusing q/k/v and gate/up, slicing for vLLM's TP)
 and re-processes kernels layer by layer, keeping storage addresses (CUDA graphs stay valid).
+With ``is_checkpoint_format=False`` it copies vLLM-named, already sharded tensors into the
+parameters instead: :mod:`megappo.rollout.shard_sync` uses that when the layouts agree.
 """
 from __future__ import annotations
 
@@ -85,22 +88,31 @@ def response_mask_from_ids(responses: torch.Tensor, eos_token_ids: Sequence[int]
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def layer_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
-    """Group a stream of HF-named tensors into lists of at most ~``bucket_bytes`` that never
-    split a decoder layer (a layer larger than the bound travels alone). Tensors outside the
-    layers (embedding, final norm, head) join the bucket of the nearest layer."""
+def layer_buckets(named: Iterable, bucket_bytes: int) -> Iterator[list]:
+    """Group a stream of tensors into lists of at most ~``bucket_bytes`` that never split a
+    decoder layer (a layer larger than the bound travels alone). Tensors outside the layers
+    (embedding, final norm, head) join the bucket of the nearest layer. Items are ``(name,
+    tensor)`` pairs or :class:`~megappo.rollout.shard_sync.SyncTensor`; a bucket never mixes
+    full HF tensors with kernel-format shards (they take different reload calls)."""
     bucket: list = []
     size = 0
-    cur_layer = None
-    for name, t in named:
+    cur_layer = cur_kind = None
+    for item in named:
+        name, t = (item.name, item.tensor) if hasattr(item, "kernel") else item
+        kind = getattr(item, "kernel", False)
         m = _LAYER.search(name)
         layer = int(m.group(1)) if m else None
-        if layer is not None and layer != cur_layer:
+        if bucket and kind != cur_kind:
+            yield bucket
+            bucket, size = [], 0
+        elif layer is not None and layer != cur_layer:
             if cur_layer is not None and size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
+        if layer is not None:
             cur_layer = layer
-        bucket.append((name, t))
+        cur_kind = kind
+        bucket.append(item)
         size += t.numel() * t.element_size()
     if bucket:
         yield bucket
@@ -124,9 +136,11 @@ class VLLMRollout:
         eos, pad, self.tie_word_embeddings = _model_facts(self.model_path)
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (pad if pad is not None else self.eos_token_ids[0])
+        # In-process engine on every device: starts in seconds and takes the actor's tensors
+        # directly (a separate engine process would receive them pickled). The external launcher
+        # forces this too; a one-process job does not use that launcher.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device == "cpu":
-            # In-process engine: starts in seconds and accepts tensors directly (no pickling).
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # Do not let vLLM pin this trainer process's OpenMP threads.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         import torch.distributed as dist
@@ -141,6 +155,8 @@ class VLLMRollout:
                   seed=seed, enable_prefix_caching=True)
         if external_launcher:
             kw["distributed_executor_backend"] = "external_launcher"
+            if device == "cpu":
+                _job_unique_cpu_shm_names()
         if device == "cpu":
             kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes or (256 << 20)
         else:
@@ -162,7 +178,7 @@ class VLLMRollout:
             from vllm.v1.engine.core_client import InprocClient
         except ImportError:  # another vLLM layout: keep its log as it is
             InprocClient = ()
-        self._reload_log_here = bool(InprocClient) and isinstance(
+        self._in_process = bool(InprocClient) and isinstance(
             getattr(self.llm.llm_engine, "engine_core", None), InprocClient)
         self.weights_version = 0  # bumped by every sync; 0 = dummy weights, never generate from them
 
@@ -224,22 +240,30 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     # -- weights ----------------------------------------------------------------------------
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20) -> dict:
-        """Load HF-named full tensors into the running engine in place, in whole-layer buckets;
-        then reset the prefix cache. Raises if a parameter of the engine got no tensor in any
+    def sync_weights(self, named_tensors: Iterable, bucket_bytes: int = 64 << 20) -> dict:
+        """Load the actor's weights into the running engine in place, in whole-layer buckets;
+        then reset the prefix cache. Items: HF-named full tensors as ``(name, tensor)`` pairs,
+        or :class:`~megappo.rollout.shard_sync.SyncTensor` (full HF tensors, or this rank's
+        shards in vLLM's kernel layout). Raises if a parameter of the engine got no tensor in any
         bucket (see :class:`_BucketedReloadLog`). Returns timing figures."""
         if self._sleeping:
             self.wake_up(tags=["weights"])
         t0 = time.perf_counter()
         n_bytes = n_buckets = 0
-        if self.device == "cpu":  # the engine's device: trainer tensors from a (simulated) GPU come home
-            named_tensors = ((n, t.cpu()) for n, t in named_tensors)
-        if self.tie_word_embeddings:
-            named_tensors = _with_tied_head(named_tensors)
-        with _BucketedReloadLog(self._reload_log_here) as reload_log:
+        with _BucketedReloadLog(self._in_process) as reload_log:
             for bucket in layer_buckets(named_tensors, bucket_bytes):
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                kernel = getattr(bucket[0], "kernel", False)
+                pairs = [(i.name, i.tensor) if hasattr(i, "kernel") else i for i in bucket]
+                if self.device == "cpu":  # trainer tensors from a (simulated) GPU come home
+                    pairs = [(n, t.cpu()) for n, t in pairs]
+                if self.tie_word_embeddings and not kernel:
+                    pairs = list(_with_tied_head(pairs))
+                # vLLM's kernel-format reload copies into parameters outside no_grad, and its norm
+                # weights require grad: the in-process call inherits this thread's grad mode.
+                with torch.no_grad():
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs,
+                                                                      "is_checkpoint_format": not kernel})
+                n_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
                 n_buckets += 1
         reload_log.check(n_buckets)
         self.llm.reset_prefix_cache()
@@ -248,6 +272,22 @@ class VLLMRollout:
         self.weights_version += 1
         dt = time.perf_counter() - t0
         return {"rollout/sync_s": dt, "rollout/sync_bytes": n_bytes, "rollout/sync_buckets": n_buckets}
+
+    def kernel_layout(self) -> tuple[Optional[dict], int, int]:
+        """This rank's engine parameters (name -> shape, in vLLM's kernel layout), its TP size and
+        TP rank; ``None`` for the parameters when the engine runs in another process."""
+        tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        if not self._in_process:
+            return None, tp, -1
+
+        def report(worker):
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            model = worker.model_runner.model
+            return {n: tuple(p.shape) for n, p in model.named_parameters()}, get_tensor_model_parallel_rank()
+
+        params, tp_rank = self.llm.collective_rpc(report)[0]
+        return params, tp, tp_rank
 
     # -- memory -----------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -261,6 +301,11 @@ class VLLMRollout:
             # level 2 drops the weights too: they are reloaded from the actor by sync_weights.
             self.llm.sleep(level=2)
             self._sleeping = True
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine dropped its weights (GPU sleep): the next sync reloads them."""
+        return self._sleeping
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         if not self._sleeping:
@@ -339,6 +384,31 @@ class _BucketedReloadLog(logging.Filter):
         if missing:
             raise RuntimeError(f"sync_weights: {len(missing)} vLLM parameters received no weights in any bucket "
                                f"and keep their previous values: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _job_unique_cpu_shm_names() -> None:
+    """vLLM's CPU TP/PP communicator names its /dev/shm segments after the launch's init method
+    (cpu_worker sets VLLM_DIST_IDENT from it); under the external launcher that is "env://" for
+    every job, so every job on a host maps "-tp:0-[0-1]-cpushm_0" and the like. A job killed
+    before its engine shut down leaves them behind, and the next job's engine then fails to
+    start ("create shm in SHMManager failed. errno: 17"); two jobs at once collide as well.
+    Prefix the names with a token rank 0 draws and every rank receives (collective, world)."""
+    import uuid
+
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    token = [f"megappo{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    shm = cc._CPUSHMDistributed
+    current = shm.__dict__["make_group_name"].__func__
+    base = getattr(current, "megappo_base", current)  # a later engine in this process: wrap vLLM's own
+
+    def make_group_name(communicator) -> str:
+        return f"/{token[0]}{base(communicator).lstrip('/')}"  # one leading slash, none inside (shm_open)
+
+    make_group_name.megappo_base = base
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def _sampled_logprob(d, token: int) -> float:

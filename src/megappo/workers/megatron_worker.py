@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from megappo import algo
 from megappo.batch import RolloutBatch
-from megappo.distributed import log_probs_and_entropy, log_probs_from_logits, module_device
+from megappo.distributed import (log_probs_and_entropy, log_probs_from_logits, module_device,
+                                 sum_pi_squared_from_vocab_parallel_logits)
 
 from .batching import fit_to_multiple, micro_batch_groups
 from .offload import StateOffload
@@ -200,8 +201,9 @@ class MegatronWorker:
         return self._from_last_stage(t, shape).cpu()
 
     @torch.no_grad()
-    def _forward(self, batch: RolloutBatch, micro_batch_size, max_token_len, per_sample) -> torch.Tensor:
-        """(B, T) ``per_sample(output, ids, mb)`` for every sample, in batch order, on every rank."""
+    def _forward(self, batch: RolloutBatch, micro_batch_size, max_token_len, per_sample, k: int = 0) -> torch.Tensor:
+        """(B, T) ``per_sample(output, ids, mb)`` for every sample, in batch order, on every rank
+        ((B, k, T) when ``per_sample`` stacks ``k`` such quantities)."""
         def loss_fn(mb, ids, output):
             out = per_sample(output, ids, mb)
             return out.sum() * 0.0, {"out": out}
@@ -209,21 +211,27 @@ class MegatronWorker:
         micros, order, keep = self._micro(batch, micro_batch_size, max_token_len)
         self.state_offload.ensure(params=True)
         outs = self._run(micros, loss_fn, forward_only=True)
-        return self._gather_rows(outs, "out", order, keep, tuple(batch.responses.shape))
+        B, T = batch.responses.shape
+        return self._gather_rows(outs, "out", order, keep, (B, k, T) if k else (B, T))
 
     def _train(self, batch: RolloutBatch, *, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs,
-               make_loss, keys) -> dict[str, list]:
+               make_loss, keys, prepare=None) -> dict[str, list]:
         """``ppo_epochs`` x this rank's mini-batches, one optimizer step each.
 
         ``make_loss(norm)`` returns the micro-batch loss function given the mini-batch's global
         normalisers; its metric dict holds micro-batch parts that add up (over micro-batches and
-        DP ranks) to the mini-batch value of each of ``keys``."""
+        DP ranks) to the mini-batch value of each of ``keys``. ``prepare(mini, seed)``, when given,
+        may add fields to each mini-batch before its micro-batches run (``seed``: distinct per
+        mini-batch of the run, equal on every rank)."""
         self.state_offload.ensure(params=True, grads=True, optimizer=True)
         history = {k: [] for k in (*keys, "grad_norm")}
         history["lr"] = [self.optimizer.param_groups[0]["lr"]]
-        for _ in range(ppo_epochs):
-            for mini in batch.split(mini_batch_size):
-                mask = mini.response_mask.to(self.device)
+        for epoch in range(ppo_epochs):
+            for i, mini in enumerate(batch.split(mini_batch_size)):
+                if prepare is not None:
+                    # the scheduler's step count survives a resume: so does the sequence of seeds
+                    mini = prepare(mini, (int(self.scheduler.num_steps) * 1_000 + epoch) * 100_003 + i)
+                mask = mini.loss_mask.to(self.device)
                 norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
                             global_seqs=algo.global_seq_count(mask, self.dp_group))
                 micros = self._micro(mini, micro_batch_size, max_token_len)[0]
@@ -285,11 +293,23 @@ class Actor(MegatronWorker):
         return self._response_gather(rows(lp), mb), self._response_gather(rows(ent), mb)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
-                         max_token_len: Optional[int] = None) -> torch.Tensor:
+                         max_token_len: Optional[int] = None, with_sum_pi_squared: bool = False):
         """(B, T) log-probs of the response tokens under the current weights, on every rank.
-        Micro-batches: ``micro_batch_size`` samples, or a ``max_token_len`` budget."""
-        return self._forward(batch, micro_batch_size, max_token_len,
-                             lambda output, ids, mb: self._log_probs(output, ids, mb, with_entropy=False)[0])
+        Micro-batches: ``micro_batch_size`` samples, or a ``max_token_len`` budget.
+        ``with_sum_pi_squared``: also sum_v pi_v^2 at each response token, from the same logits
+        (optimal_token_baseline's input); returns (log-probs, sum pi^2) then."""
+        if not with_sum_pi_squared:
+            return self._forward(batch, micro_batch_size, max_token_len,
+                                 lambda output, ids, mb: self._log_probs(output, ids, mb, with_entropy=False)[0])
+
+        def both(output, ids, mb):
+            logits, labels, rows = self._next_token(output, ids)
+            lp = log_probs_from_logits(logits, labels, self.tp_group, self.vocab_size)
+            spq = sum_pi_squared_from_vocab_parallel_logits(logits, self.tp_group, self.vocab_size)
+            return torch.stack([self._response_gather(rows(lp), mb), self._response_gather(rows(spq), mb)], dim=1)
+
+        out = self._forward(batch, micro_batch_size, max_token_len, both, k=2)
+        return out[:, 0], out[:, 1]
 
     def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None, ppo_epochs: int = 1,
@@ -301,23 +321,51 @@ class Actor(MegatronWorker):
 
             def loss_fn(mb, ids, output):
                 lp, ent = self._log_probs(output, ids, mb, with_entropy=True)
-                pg, m = algo.compute_policy_loss(loss.loss_mode, mb.old_log_prob, lp, mb.advantages, mb.response_mask,
-                                                 rollout_is_weights=mb.rollout_is_weights, **loss.loss_kwargs(), **norm)
-                ent_loss = algo.agg_loss(ent, mb.response_mask, loss.loss_agg_mode, **norm)
+                pg_mask = mb.loss_mask
+                if loss.bypass_rejection is not None:
+                    # bypass mode: the old log-probs are the engine's; reject against the current policy
+                    # (as verl's bypass loss), on the policy term only, normalisers unchanged
+                    rs, threshold = loss.bypass_rejection
+                    keep, _ = algo.rollout_rejection_mask(lp.detach(), mb.old_log_prob, pg_mask, rs=rs,
+                                                          threshold=threshold)
+                    pg_mask = pg_mask * keep.to(pg_mask.dtype)
+                pg, m = algo.compute_policy_loss(loss.loss_mode, mb.old_log_prob, lp, mb.advantages, pg_mask,
+                                                 rollout_is_weights=mb.rollout_is_weights,
+                                                 cov_selected=mb.cov_selected, **loss.loss_kwargs(), **norm)
+                ent_loss = algo.agg_loss(ent, mb.loss_mask, loss.loss_agg_mode, **norm)
                 total = pg - loss.entropy_coeff * ent_loss
                 kl = torch.zeros((), device=lp.device)
                 if loss.use_kl_loss:
-                    kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, loss.kl_loss_type), mb.response_mask,
+                    kl = algo.agg_loss(algo.kl_penalty(lp, mb.ref_log_prob, loss.kl_loss_type), mb.loss_mask,
                                        loss.loss_agg_mode, **norm)
                     total = total + loss.kl_loss_coef * kl
-                share = mb.response_mask.sum() / norm["global_tokens"]  # token share, for token-mean metrics
+                share = mb.loss_mask.sum() / norm["global_tokens"]  # token share, for token-mean metrics
                 return total, {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "entropy": ent_loss.detach(),
                                **{k: v * share for k, v in m.items()}}
             return loss_fn
 
+        def select_cov_tokens(mini: RolloutBatch, seed: int) -> RolloutBatch:
+            """Clip-Cov/KL-Cov choose their tokens over the whole mini-batch, from the current
+            policy's log-probs (one forward pass more per mini-batch), before its micro-batches."""
+            lp = self.compute_log_prob(mini, micro_batch_size, max_token_len).to(self.device)
+            if mini.sample_index is None:
+                raise ValueError(f"loss_mode={loss.loss_mode} needs each sample's sample_index (set when the "
+                                 "trainer deals the batch)")
+            keys = algo.token_keys(mini.sample_index.to(self.device), lp.shape[1], seed)
+            on = {k: getattr(mini, k).to(self.device) for k in ("old_log_prob", "advantages", "loss_mask")}
+            if loss.loss_mode == "clip_cov":
+                sel = algo.clip_cov_selection(on["old_log_prob"], lp, on["advantages"], on["loss_mask"], keys,
+                                              dp_group=self.dp_group, **loss.clip_cov_kwargs())
+            else:
+                sel = algo.kl_cov_selection(lp, on["advantages"], on["loss_mask"], keys, dp_group=self.dp_group,
+                                            kl_cov_ratio=loss.kl_cov_ratio)
+            mini.cov_selected = sel.to(mini.response_mask.device)
+            return mini
+
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
                               max_token_len=max_token_len, ppo_epochs=ppo_epochs, make_loss=make_loss,
-                              keys=("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"))
+                              keys=("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"),
+                              prepare=select_cov_tokens if loss.loss_mode in algo.COV_LOSSES else None)
         metrics = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["actor/pg_loss_per_minibatch"] = history["pg_loss"]
         return metrics
@@ -339,10 +387,10 @@ class Critic(MegatronWorker):
                       loss: algo.ValueLossSpec = algo.ValueLossSpec()) -> dict:
         def make_loss(norm):
             def loss_fn(mb, ids, output):
-                vf, clipfrac = algo.value_loss(self._values(output, ids, mb), mb.returns, mb.values, mb.response_mask,
+                vf, clipfrac = algo.value_loss(self._values(output, ids, mb), mb.returns, mb.values, mb.loss_mask,
                                                cliprange_value=loss.cliprange_value, loss_agg_mode=loss.loss_agg_mode,
                                                norm_factor=loss.norm_factor, **norm)
-                share = mb.response_mask.sum() / norm["global_tokens"]
+                share = mb.loss_mask.sum() / norm["global_tokens"]
                 return vf, {"vf_loss": vf.detach(), "vf_clipfrac": clipfrac * share}
             return loss_fn
 
