@@ -5,7 +5,7 @@ VOCAB = 500  # not a multiple of 128: exercises megatron's vocabulary padding
 
 
 def hf_config(arch: str, **over):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
@@ -24,6 +24,12 @@ def hf_config(arch: str, **over):
                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                  "original_max_position_embeddings": 64}, **over})
         cfg.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3_moe":  # 4 experts, top-2; layer 0 dense (mlp_only_layers), the others MoE
+        cfg = Qwen3MoeConfig(**{**common, "head_dim": 32, "tie_word_embeddings": False, "num_experts": 4,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+                                "mlp_only_layers": [0], "decoder_sparse_step": 1, "router_aux_loss_coef": 0.0,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, **over})
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
     else:
         raise ValueError(arch)
     return cfg

@@ -50,6 +50,12 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
 
     path = os.path.expanduser(model_path)
     info = describe(load_hf_config(path), tp=mc.tensor_model_parallel_size, value_head=value_head)
+    if info.desc.num_experts:
+        from megappo.models import ModelConfigError
+
+        raise ModelConfigError(f"{model_path}: Mixture-of-Experts models build and load (megappo.models, "
+                               "expert parallelism included) but do not train yet: the weight sync into vLLM, "
+                               "the HF export and checkpoints of experts arrive with issue 6/7")
     tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                               vpp=mc.virtual_pipeline_model_parallel_size, sequence_parallel=mc.sequence_parallel,
                               params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,

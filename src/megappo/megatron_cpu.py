@@ -18,6 +18,12 @@ without it) and that it works (megatron runs with it):
 - ``sync``:   ``torch.cuda.synchronize`` (pipeline p2p, dist_checkpointing's writer) is a no-op.
 - ``tensor_type``: the optimizer asserts parameters report ``torch.cuda.FloatTensor``; the mode
               reports CPU tensors' type strings with the ``torch.cuda.`` prefix.
+- ``streams``: MoE's alltoall token dispatcher builds a ``torch.cuda.Stream`` when constructed and
+              waits on, enters and records events of streams every forward: one CPU stand-in stream
+              (every call is a no-op; CPU work is already in order).
+- ``moe_splits``: the dispatcher turns its split sizes into numpy arrays only when they are CUDA
+              tensors (``maybe_move_tensor_to_cpu``); on CPU they stay tensors, which gloo's
+              ``all_to_all_single`` refuses: CPU tensors are converted the same way.
 
 ``install(check_devices=True)`` (the CPU device check, :mod:`megappo.device_check`) replaces the
 plain rewrite with one that also tracks which tensors would live on the GPU and fails where CUDA or
@@ -32,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["PIECES", "install", "installed"]
 
-PIECES = ("rng", "device", "backward", "sync", "tensor_type")
+PIECES = ("rng", "device", "backward", "sync", "tensor_type", "streams", "moe_splits")
 _installed: set[str] = set()
 _mode_factory = None  # builds the mode the backward piece enters (the same kind as the global one)
 
@@ -134,6 +140,64 @@ def _install_sync() -> None:
     torch.cuda.synchronize = lambda device=None: None
 
 
+class _CpuStream:
+    """A CUDA stream's interface, for CPU work (which runs in order anyway)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+
+def _install_streams() -> None:
+    import contextlib
+
+    stream = _CpuStream()
+    # classes, not factories: libraries annotate with ``torch.cuda.Stream | None`` at import time
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.default_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+
+
+def _install_moe_splits() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def install(pieces=PIECES, check_devices: bool = False) -> None:
     """Install the named pieces (all by default); installing twice is a no-op. ``check_devices``
     (needs the ``device`` piece) turns on the CPU device check; it must come with the first call."""
@@ -155,4 +219,8 @@ def install(pieces=PIECES, check_devices: bool = False) -> None:
         _install_backward()
     if "sync" in todo:
         _install_sync()
+    if "streams" in todo:
+        _install_streams()
+    if "moe_splits" in todo:
+        _install_moe_splits()
     _installed.update(todo)

@@ -15,8 +15,6 @@ so that the same tokens are chosen however the batch is split. Ties in cov are b
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 

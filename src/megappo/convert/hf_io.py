@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -34,12 +35,13 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class RankCoords:
-    """This rank's coordinates: TP and PP sizes/ranks, VPP size."""
+    """This rank's coordinates: TP and PP sizes/ranks, VPP size; EP size/rank (MoE experts)."""
 
     def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
-                 tp_group=None, pp_group=None, mp_group=None):
+                 tp_group=None, pp_group=None, mp_group=None, ep: int = 1, ep_rank: int = 0):
         self.tp, self.tp_rank, self.pp, self.pp_rank, self.vpp = tp, tp_rank, pp, pp_rank, vpp
         self.tp_group, self.pp_group, self.mp_group = tp_group, pp_group, mp_group
+        self.ep, self.ep_rank = ep, ep_rank
 
     @classmethod
     def from_megatron(cls) -> "RankCoords":
@@ -49,7 +51,8 @@ class RankCoords:
                    pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
                    tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-                   mp_group=ps.get_model_parallel_group())
+                   mp_group=ps.get_model_parallel_group(), ep=ps.get_expert_model_parallel_world_size(),
+                   ep_rank=ps.get_expert_model_parallel_rank())
 
     def owner(self, pm: ParamMap, num_layers: int) -> int:
         """Pipeline rank holding ``pm``."""
@@ -156,12 +159,20 @@ def _read_shard(pm: ParamMap, read: Callable, desc: ModelDesc, rank: int, size: 
     return read(pm.hf[0], pm.partition_dim, s)
 
 
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
 def local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch.nn.Parameter]:
     """Global megatron name -> this rank's parameter, over all its VPP chunks."""
     out = {}
+    per_rank = desc.num_experts // coords.ep if desc.num_experts else 0
     for vp, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            out[to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp)] = p
+            name = to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp)
+            m = _LOCAL_EXPERT.search(name)
+            if m:   # this EP rank's k-th expert is the model's (ep_rank x experts per rank + k)-th
+                name = f"{name[:m.start(1)]}{coords.ep_rank * per_rank + int(m.group(1))}{name[m.end(1):]}"
+            out[name] = p
     return out
 
 
@@ -225,6 +236,7 @@ def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Opti
     yielded are views of it, valid until the next call (consume them, as a weight sync does).
     Without it, a tensor needing no gather is the parameter itself.
     """
+    _no_expert_gather(desc, coords or RankCoords())
     if shared is not None:
         shared.publish()
         for name, t in shared.tensors():
@@ -235,6 +247,12 @@ def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Opti
     for pm in param_maps(desc, _te(chunks, te)):
         for name, t in to_hf(pm, gather_full(pm, local, desc, coords), desc).items():
             yield name, (t if dtype is None else t.to(dtype))
+
+
+def _no_expert_gather(desc: ModelDesc, coords: RankCoords) -> None:
+    if desc.num_experts and coords.ep > 1:
+        raise NotImplementedError("gathering experts over expert-parallel ranks (export, weight sync) is not "
+                                  "built yet (issue 6/7); expert_model_parallel_size=1 exports")
 
 
 def gather_full(pm: ParamMap, local: dict, desc: ModelDesc, coords: RankCoords) -> torch.Tensor:

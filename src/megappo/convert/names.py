@@ -15,7 +15,7 @@ from .tensor_maps import fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split
 
 __all__ = ["ModelDesc", "ParamMap", "param_maps", "to_megatron", "to_hf", "full_shape"]
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ class ModelDesc:
     qkv_bias: bool
     qk_layernorm: bool
     value_head: bool = False     # critic: a (1, hidden) head replaces the LM head
+    # Mixture-of-Experts (Qwen3-MoE): experts per MoE layer, their FFN size, routed per token,
+    # router renormalisation, and which layers are MoE (the others are dense, ffn_hidden_size)
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ParamMap:
     partition_dim: Optional[int]  # TP split dimension of the megatron tensor; None = replicated
     layer: Optional[int] = None   # global layer index; None for embedding / final norm / head
     where: str = "layer"          # layer | first (embedding) | last (final norm, output layer)
+    expert: Optional[int] = None  # GLOBAL expert index of an expert's tensor (its name says it too)
 
 
 def param_maps(desc: ModelDesc, te: bool = False) -> list[ParamMap]:
@@ -67,6 +75,16 @@ def param_maps(desc: ModelDesc, te: bool = False) -> list[ParamMap]:
             maps.append(ParamMap(m + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "copy", None, i))
         maps.append(ParamMap(m + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "copy", 1, i))
         maps.append(ParamMap(m + mlp_norm, (h + "post_attention_layernorm.weight",), "copy", None, i))
+        if i in desc.moe_layers:
+            # router replicated; each expert whole on its expert-parallel rank (expert-TP 1), named
+            # here by its global index (hf_io maps it to the rank's local one)
+            maps.append(ParamMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None, i))
+            for e in range(desc.num_experts):
+                x, hx = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+                maps.append(ParamMap(x + "linear_fc1.weight", (hx + "gate_proj.weight", hx + "up_proj.weight"),
+                                     "gate_up", None, i, expert=e))
+                maps.append(ParamMap(x + "linear_fc2.weight", (hx + "down_proj.weight",), "copy", None, i, expert=e))
+            continue
         maps.append(ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                              "gate_up", 0, i))
         maps.append(ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, i))
@@ -87,12 +105,15 @@ def full_shape(pm: ParamMap, desc: ModelDesc) -> tuple[int, ...]:
     if pm.kind == "qkv":
         rows = (d.num_heads + 2 * d.num_groups) * d.head_dim
         return (rows,) if name.endswith("bias") else (rows, d.hidden_size)
+    ffn = d.moe_ffn_hidden_size if pm.expert is not None else d.ffn_hidden_size
     if pm.kind == "gate_up":
-        return (2 * d.ffn_hidden_size, d.hidden_size)
+        return (2 * ffn, d.hidden_size)
     if name.endswith("linear_proj.weight"):
         return (d.hidden_size, d.num_heads * d.head_dim)
     if name.endswith("linear_fc2.weight"):
-        return (d.hidden_size, d.ffn_hidden_size)
+        return (d.hidden_size, ffn)
+    if name.endswith("mlp.router.weight"):
+        return (d.num_experts, d.hidden_size)
     if "q_layernorm" in name or "k_layernorm" in name:
         return (d.head_dim,)
     if name == "output_layer.weight":  # value head
@@ -113,7 +134,8 @@ def hf_shapes(pm: ParamMap, desc: ModelDesc) -> dict[str, tuple[int, ...]]:
         return {q: (d.num_heads * d.head_dim, *tail), k: (d.num_groups * d.head_dim, *tail),
                 v: (d.num_groups * d.head_dim, *tail)}
     if pm.kind == "gate_up":
-        return {n: (d.ffn_hidden_size, d.hidden_size) for n in pm.hf}
+        ffn = d.moe_ffn_hidden_size if pm.expert is not None else d.ffn_hidden_size
+        return {n: (ffn, d.hidden_size) for n in pm.hf}
     return {pm.hf[0]: full_shape(pm, desc)}
 
 

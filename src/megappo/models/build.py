@@ -11,8 +11,9 @@ from .layers import ValueHead, layer_spec, te_available
 __all__ = ["initialize_parallel", "build_model", "parallel_ranks"]
 
 
-def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42) -> None:
-    """megatron's parallel state for TP x PP (x VPP); DP is what remains of the world. Seeds the
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42, ep: Optional[int] = None) -> None:
+    """megatron's parallel state for TP x PP (x VPP); DP is what remains of the world. ``ep``
+    (Mixture-of-Experts models only): experts over that many ranks, expert-TP 1. Seeds the
     model-parallel RNGs. torch.distributed must already be initialised."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -23,8 +24,9 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
         raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    expert = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+                                 virtual_pipeline_model_parallel_size=vpp, **expert)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -49,6 +51,8 @@ def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: 
     from megatron.core.models.gpt import GPTModel
 
     desc = info.desc
+    if desc.num_experts:
+        _router_without_te()
     if value_head != desc.value_head:
         raise ValueError("build_model: value_head must match the description (describe(..., value_head=...))")
     if use_te is None:
@@ -72,3 +76,13 @@ def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: 
         model.megappo_te_spec = use_te  # parameter names follow the spec; hf_io reads this
         chunks.append(model)
     return chunks
+
+
+def _router_without_te() -> None:
+    """megatron-core 0.16.1 bug on any install without TransformerEngine: moe_utils defines
+    ``te_general_gemm`` only when TE imports, but the router's matmul tests it for None
+    (NameError). None is what "no TE" means there."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -12,7 +12,8 @@ from megappo.convert.names import ModelDesc
 __all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "describe", "load_hf_config",
            "transformer_config", "padded_vocab_size"]
 
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Scalar-head models (critic exports, reward models): the same backbones with a one-label
 # ``score`` head, which only a value-head build can use.
 SCALAR_HEAD_ARCHITECTURES = {"Qwen3ForTokenClassification": "qwen3", "Qwen2ForTokenClassification": "qwen2",
@@ -60,8 +61,10 @@ def _rope_inv_freq(hf_config, arch: str) -> tuple[torch.Tensor, float, str]:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
-    cls = {"qwen3": Qwen3RotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "llama": LlamaRotaryEmbedding}[arch]
+    cls = {"qwen3": Qwen3RotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "llama": LlamaRotaryEmbedding,
+           "qwen3_moe": Qwen3MoeRotaryEmbedding}[arch]
     rot = cls(hf_config)
     if float(rot.attention_scaling) != 1.0:
         raise ModelConfigError(f"RoPE type {rope_type!r} with attention scaling {rot.attention_scaling} is not supported")
@@ -92,7 +95,7 @@ def describe(hf_config, tp: int = 1, value_head: bool = False, vocab_divisible_b
         raise ModelConfigError("use_sliding_window=True is not supported")
     if arch == "llama" and getattr(c, "mlp_bias", False):
         raise ModelConfigError("Llama with mlp_bias=True is not supported")
-    if arch in ("llama", "qwen3") and getattr(c, "attention_bias", False):
+    if arch in ("llama", "qwen3", "qwen3_moe") and getattr(c, "attention_bias", False):
         raise ModelConfigError(f"{archs[0]} with attention_bias=True (biased o_proj) is not supported")
     heads, groups = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -105,20 +108,35 @@ def describe(hf_config, tp: int = 1, value_head: bool = False, vocab_divisible_b
         problems.append(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
     if problems:
         raise ModelConfigError("; ".join(problems))
+    moe = _moe_fields(c) if arch == "qwen3_moe" else {}
     inv_freq, theta, _ = _rope_inv_freq(c, arch)
     desc = ModelDesc(
         arch=arch, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
         num_heads=heads, num_groups=groups, head_dim=head_dim, vocab_size=c.vocab_size,
         padded_vocab_size=padded_vocab_size(c.vocab_size, tp, vocab_divisible_by),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=arch == "qwen2",
-        qk_layernorm=arch == "qwen3", value_head=value_head)
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"), value_head=value_head, **moe)
     return HFModelInfo(desc=desc, hf_config=c, rms_norm_eps=float(c.rms_norm_eps),
                        max_position_embeddings=int(c.max_position_embeddings), rope_theta=theta, inv_freq=inv_freq)
 
 
+def _moe_fields(c) -> dict:
+    """Qwen3-MoE's expert settings; a layer is MoE unless listed in mlp_only_layers, and only
+    every decoder_sparse_step-th (transformers' rule)."""
+    E, k = int(c.num_experts), int(c.num_experts_per_tok)
+    if not 0 < k <= E:
+        raise ModelConfigError(f"num_experts_per_tok ({k}) must be in 1..num_experts ({E})")
+    if getattr(c, "shared_expert_intermediate_size", 0):
+        raise ModelConfigError("shared experts are not supported (Qwen3-MoE has none)")
+    step, dense = int(getattr(c, "decoder_sparse_step", 1) or 1), set(getattr(c, "mlp_only_layers", None) or [])
+    layers = tuple(i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=E, moe_ffn_hidden_size=int(c.moe_intermediate_size), moe_topk=k,
+                norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)), moe_layers=layers)
+
+
 def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                       cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None):
+                       cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None, ep: int = 1):
     """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
     parameters are initialised (``use_cpu_initialization``). ``recompute``: (granularity,
     method, num_layers) of megatron's activation recomputation; selective takes no method or
@@ -129,7 +147,23 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
     if d.num_layers % (pp * (vpp or 1)):
         raise ModelConfigError(f"num_hidden_layers ({d.num_layers}) is not divisible by pipeline_model_parallel_size x "
                                f"virtual stages ({pp} x {vpp or 1})")
-    return TransformerConfig(
+    moe = {}
+    if d.num_experts:
+        if d.num_experts % ep:
+            raise ModelConfigError(f"num_experts ({d.num_experts}) is not divisible by expert_model_parallel_size ({ep})")
+        if tp > 1 and not sequence_parallel:
+            raise ModelConfigError("Mixture-of-Experts with tensor_model_parallel_size > 1 needs sequence_parallel "
+                                   "(megatron's MoE layer refuses to train without it)")
+        # HF's router: softmax over all experts, top-k, renormalised when norm_topk_prob; megatron's
+        # softmax over the top-k logits is the same renormalised distribution (pre_softmax=False).
+        moe = dict(num_moe_experts=d.num_experts, moe_router_topk=d.moe_topk, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+                   moe_router_score_function="softmax", moe_router_pre_softmax=not d.norm_topk_prob,
+                   moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+                   moe_layer_freq=[1 if i in d.moe_layers else 0 for i in range(d.num_layers)],
+                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    elif ep != 1:
+        raise ModelConfigError(f"expert_model_parallel_size={ep} needs a Mixture-of-Experts model")
+    return TransformerConfig(**moe,
         num_layers=d.num_layers, hidden_size=d.hidden_size, ffn_hidden_size=d.ffn_hidden_size,
         num_attention_heads=d.num_heads, num_query_groups=d.num_groups, kv_channels=d.head_dim,
         normalization="RMSNorm", layernorm_epsilon=info.rms_norm_eps, qk_layernorm=d.qk_layernorm,

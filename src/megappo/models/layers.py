@@ -92,14 +92,32 @@ def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    experts = config.num_moe_experts
     if use_te:
+        if experts:   # per-layer dense/MoE specs with TE's grouped experts
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                                    qk_layernorm=qk_layernorm, vp_stage=vp_stage, pp_rank=pp_rank)
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm))
-    sub = spec.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
-    if qk_layernorm:
-        sub.self_attention.submodules.q_layernorm = QKRMSNorm
-        sub.self_attention.submodules.k_layernorm = QKRMSNorm
+
+    def local(num_experts):
+        spec = copy.deepcopy(specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                            normalization="RMSNorm", qk_layernorm=qk_layernorm))
+        sub = spec.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        if qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = QKRMSNorm
+            sub.self_attention.submodules.k_layernorm = QKRMSNorm
+        return spec
+
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+    if not experts:
+        return TransformerBlockSubmodules(layer_specs=[local(None)] * n, layer_norm=RMSNorm)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    # MoE models mix dense and expert layers (moe_layer_freq, from mlp_only_layers / decoder_sparse_step)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    moe, dense = local(experts), local(None)
+    freq = config.moe_layer_freq
+    layer_specs = [moe if freq[first + i] else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=RMSNorm)
