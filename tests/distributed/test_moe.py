@@ -1,7 +1,8 @@
 """Qwen3-MoE as a megatron MoE GPTModel (issue 6/7, first slice): built from the HF config (router
 renormalisation, dense and expert layers mixed by mlp_only_layers), each expert-parallel rank
-loading only its experts from the HF checkpoint, and per-token log-probs equal to transformers'
-at EP1, EP2, TP2 x EP2 (sequence parallel) and PP2 x EP2, with norm_topk_prob on and off."""
+loading only its experts from the HF checkpoint, HF -> megatron -> HF bit-exact (experts gathered
+over the EP group), and per-token log-probs equal to transformers' at EP1, EP2, TP2 x EP2
+(sequence parallel) and PP2 x EP2, with norm_topk_prob on and off."""
 import os
 import sys
 
@@ -38,6 +39,15 @@ def _worker(rank, world, path, tp, pp, ep):
     experts = {n.split(".local_experts.")[1].split(".")[0] for n in names if ".local_experts." in n}
     assert experts == {str(k) for k in range(4 // ep)}, experts
     load_hf_weights(chunks, path, info.desc, coords)
+    # megatron -> HF: every tensor of the checkpoint back, bit for bit, on every rank (experts from
+    # the EP rank holding them, layers from their stage)
+    from megappo.convert.hf_io import SafetensorsCheckpoint, iter_hf_tensors
+
+    ckpt = SafetensorsCheckpoint(path)
+    out = dict(iter_hf_tensors(chunks, info.desc, coords))
+    assert set(out) == ckpt.names(), sorted(set(out) ^ ckpt.names())[:6]
+    bad = [n for n, t in out.items() if not torch.equal(t, ckpt.read(n))]
+    assert not bad, bad[:6]
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, VOCAB, (2, 24), generator=g) for _ in range(2)]
     got = token_log_probs(chunks, info, batches)

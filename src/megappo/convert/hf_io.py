@@ -38,10 +38,10 @@ class RankCoords:
     """This rank's coordinates: TP and PP sizes/ranks, VPP size; EP size/rank (MoE experts)."""
 
     def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
-                 tp_group=None, pp_group=None, mp_group=None, ep: int = 1, ep_rank: int = 0):
+                 tp_group=None, pp_group=None, mp_group=None, ep: int = 1, ep_rank: int = 0, ep_group=None):
         self.tp, self.tp_rank, self.pp, self.pp_rank, self.vpp = tp, tp_rank, pp, pp_rank, vpp
         self.tp_group, self.pp_group, self.mp_group = tp_group, pp_group, mp_group
-        self.ep, self.ep_rank = ep, ep_rank
+        self.ep, self.ep_rank, self.ep_group = ep, ep_rank, ep_group
 
     @classmethod
     def from_megatron(cls) -> "RankCoords":
@@ -52,7 +52,8 @@ class RankCoords:
                    vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
                    tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                    mp_group=ps.get_model_parallel_group(), ep=ps.get_expert_model_parallel_world_size(),
-                   ep_rank=ps.get_expert_model_parallel_rank())
+                   ep_rank=ps.get_expert_model_parallel_rank(),
+                   ep_group=ps.get_expert_model_parallel_group(check_initialized=False))
 
     def owner(self, pm: ParamMap, num_layers: int) -> int:
         """Pipeline rank holding ``pm``."""
@@ -236,7 +237,6 @@ def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Opti
     yielded are views of it, valid until the next call (consume them, as a weight sync does).
     Without it, a tensor needing no gather is the parameter itself.
     """
-    _no_expert_gather(desc, coords or RankCoords())
     if shared is not None:
         shared.publish()
         for name, t in shared.tensors():
@@ -249,19 +249,19 @@ def iter_hf_tensors(chunks, desc: ModelDesc, coords: RankCoords = None, te: Opti
             yield name, (t if dtype is None else t.to(dtype))
 
 
-def _no_expert_gather(desc: ModelDesc, coords: RankCoords) -> None:
-    if desc.num_experts and coords.ep > 1:
-        raise NotImplementedError("gathering experts over expert-parallel ranks (export, weight sync) is not "
-                                  "built yet (issue 6/7); expert_model_parallel_size=1 exports")
-
-
 def gather_full(pm: ParamMap, local: dict, desc: ModelDesc, coords: RankCoords) -> torch.Tensor:
     """The full megatron tensor of ``pm`` on every rank of the model-parallel group: a TP
     all-gather on the owning stage, then a broadcast over the pipeline. ``local``: this rank's
-    parameters by global name (:func:`local_params`). Collective over TP and PP groups."""
+    parameters by global name (:func:`local_params`). Collective over TP and PP groups; an
+    expert's tensor comes first from the EP rank holding it (broadcast over the EP group)."""
     owner = coords.owner(pm, desc.num_layers)
     any_param = next(iter(local.values()))
-    if owner == coords.pp_rank:
+    if pm.expert is not None and coords.ep > 1 and owner == coords.pp_rank:
+        holder = pm.expert // (desc.num_experts // coords.ep)
+        full = (local[pm.megatron].detach().contiguous() if holder == coords.ep_rank else
+                torch.empty(full_shape(pm, desc), dtype=any_param.dtype, device=any_param.device))
+        dist.broadcast(full, src=dist.get_global_rank(coords.ep_group, holder), group=coords.ep_group)
+    elif owner == coords.pp_rank:
         shard = local[pm.megatron].detach()
         if pm.partition_dim is not None and coords.tp > 1:
             pieces = [torch.empty_like(shard) for _ in range(coords.tp)]

@@ -64,6 +64,9 @@ class SharedHFModel:
         group = group if group is not None else getattr(layout, "mp_group", None)
         if group is None or dist.get_world_size(group) == 1:
             return None
+        if desc.num_experts and getattr(layout, "ep", 1) > 1:
+            return None   # experts live outside the model-parallel group (on other EP ranks): collectives
+
         maps = param_maps(desc, te)
         owned = {pm.megatron: local[pm.megatron] for pm in maps
                  if layout.owner(pm, desc.num_layers) == layout.pp_rank}
