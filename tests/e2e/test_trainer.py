@@ -272,7 +272,14 @@ def _checked_worker(rank, world, model, train, test, run_dir):
                        f"{m}sequence_parallel=true", "actor_rollout_ref.actor.use_kl_loss=true",
                        "algorithm.use_kl_in_reward=true", "data.max_prompt_length=16", "data.max_response_length=6",
                        "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2",
-                       "trainer.test_freq=2"] + budget, ["tiny_cpu"])
+                       "trainer.test_freq=2",
+                       # issue 5/7's device-side pieces: Clip-Cov's mini-batch selection (a forward
+                       # pass and DP collectives in the worker), rollout IS weights and rejection
+                       "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+                       "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.05",
+                       "algorithm.rollout_correction.rollout_is=token",
+                       "algorithm.rollout_correction.rollout_rs=token_k3",
+                       "algorithm.rollout_correction.rollout_rs_threshold=0.5"] + budget, ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     device = init_distributed(cfg)
     assert device.type == "cuda" and device.index == rank  # the simulated GPU of this rank

@@ -107,9 +107,10 @@ def plan_shard_sync(desc: ModelDesc, coords: RankCoords, te: bool, engine_params
     return ShardSyncPlan(frozenset(direct), nbytes, tuple(gathered)), ""
 
 
-def agree(plan: Optional[ShardSyncPlan], reason: str, group=None) -> tuple[Optional[ShardSyncPlan], str]:
-    """Every rank takes the direct path or none does (their collectives must pair up)."""
-    ok = torch.tensor([0 if plan is None else 1], dtype=torch.int32)
+def agree(plan: Optional[ShardSyncPlan], reason: str, group=None, device=None) -> tuple[Optional[ShardSyncPlan], str]:
+    """Every rank takes the direct path or none does (their collectives must pair up). ``device``:
+    where the vote lives, the group's device (a CUDA tensor on NCCL)."""
+    ok = torch.tensor([0 if plan is None else 1], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if plan is not None and not ok.item():
@@ -123,8 +124,9 @@ def plan_for_engine(engine, chunks, desc: ModelDesc, coords: RankCoords) -> Opti
     from megappo.models.layers import uses_te
 
     params, tp, tp_rank = engine.kernel_layout()
-    size = next(chunks[0].parameters()).element_size()
-    plan, why = agree(*plan_shard_sync(desc, coords, uses_te(chunks), params, tp, tp_rank, element_size=size))
+    any_param = next(chunks[0].parameters())
+    plan, why = agree(*plan_shard_sync(desc, coords, uses_te(chunks), params, tp, tp_rank,
+                                       element_size=any_param.element_size()), device=any_param.device)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if plan is None:
             log.info("weight sync: full tensors gathered over TP (%s)", why)
