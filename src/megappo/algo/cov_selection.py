@@ -18,16 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .stats import global_count
+from .stats import _all_reduce, global_count
 
 __all__ = ["token_cov", "token_keys", "select_top_k", "clip_cov_selection", "kl_cov_selection"]
-
-
-def _global_sum(x: torch.Tensor, dp_group) -> torch.Tensor:
-    x = x.detach().to(torch.float64).reshape(1)
-    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(x, group=dp_group)
-    return x[0]
 
 
 def token_cov(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -35,11 +28,10 @@ def token_cov(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: t
     """(B, T) float64 ``(A - mean A)(logp - mean logp)``, means over every response token of the
     (DP-global) batch; 0 on masked positions."""
     m = response_mask.to(torch.float64)
-    n = _global_sum(m.sum(), dp_group).clamp(min=1)
     a, lp = advantages.detach().to(torch.float64), log_prob.detach().to(torch.float64)
-    a_mean = _global_sum((a * m).sum(), dp_group) / n
-    lp_mean = _global_sum((lp * m).sum(), dp_group) / n
-    return (a - a_mean) * (lp - lp_mean) * m
+    n, a_sum, lp_sum = _all_reduce(torch.stack([m.sum(), (a * m).sum(), (lp * m).sum()]), dp_group)
+    n = n.clamp(min=1)
+    return (a - a_sum / n) * (lp - lp_sum / n) * m
 
 
 _MASK64 = (1 << 64) - 1

@@ -96,7 +96,7 @@ def plan_shard_sync(desc: ModelDesc, coords: RankCoords, te: bool, engine_params
         have = engine_params.get(kernel_name(pm))
         if have is not None and tuple(have) == tuple(want):
             direct.add(pm.megatron)
-            nbytes += element_size * _numel(want)
+            nbytes += element_size * torch.Size(want).numel()
         elif pm.kind == "vocab" and have is not None and len(have) == 2 and have[1] == want[1] and have[0]:
             gathered.append(pm.megatron)  # vLLM pads the vocabulary to another size: HF path
         else:
@@ -134,13 +134,6 @@ def plan_for_engine(engine, chunks, desc: ModelDesc, coords: RankCoords) -> Opti
             log.info("weight sync: each rank sends its own shards (%.1f MiB), %d tensors gathered in full",
                      plan.direct_bytes / 2**20, len(plan.gathered))
     return plan
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @torch.no_grad()
