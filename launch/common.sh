@@ -7,7 +7,7 @@
 #   TRAIN_BATCH_SIZE PPO_MINI_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
 #   PPO_MAX_TOKEN_LEN_PER_GPU (actor, critic, reference, old-log-prob and vLLM token budgets)
 #   ACTOR_LR CRITIC_LR ROLLOUT_TP ROLLOUT_N ADV_ESTIMATOR TOTAL_EPOCHS SAVE_FREQ TEST_FREQ
-#   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
+#   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP ACTOR_EP (Mixture-of-Experts: expert parallelism, all roles)   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
 #   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
 #   DRY_RUN=1 (print the resolved config, rank layout and memory plan; start nothing)
 #   GPU_MEMORY_GB (the plan's GPU size; default trainer.gpu_memory_gb, else the device's, else 80)  PYTHON
@@ -18,7 +18,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$MEGAPPO_ROOT/.venv/bin/python" ]]; then PYTHON="$MEGAPPO_ROOT/.venv/bin/python"; else PYTHON=python; fi
 fi
 : "${NNODES:=1}" "${NGPUS_PER_NODE:=8}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
-: "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}"
+: "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}" "${ACTOR_EP:=1}"
 : "${CRITIC_TP:=$ACTOR_TP}" "${CRITIC_PP:=$ACTOR_PP}" "${CRITIC_MODEL_PATH:=$MODEL_PATH}"
 # megatron overlaps TP communication with compute only when kernels are issued in order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -36,6 +36,8 @@ megappo_check_layout() {
     "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
   (( CRITIC_TP == ACTOR_TP && CRITIC_PP == ACTOR_PP )) || megappo_fail \
     "CRITIC_TP=$CRITIC_TP/CRITIC_PP=$CRITIC_PP must equal ACTOR_TP=$ACTOR_TP/ACTOR_PP=$ACTOR_PP (one megatron parallel state per process)"
+  (( ACTOR_EP >= 1 && (world / ACTOR_PP) % ACTOR_EP == 0 )) || megappo_fail \
+    "ACTOR_EP=$ACTOR_EP must divide the ranks of a pipeline stage: world $world / ACTOR_PP=$ACTOR_PP = $((world / ACTOR_PP))"
   (( world % ROLLOUT_TP == 0 )) || megappo_fail \
     "ROLLOUT_TP=$ROLLOUT_TP does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
   (( NGPUS_PER_NODE % ROLLOUT_TP == 0 )) || megappo_fail \
@@ -63,6 +65,7 @@ megappo_args() {
     trainer.total_epochs="$TOTAL_EPOCHS" trainer.save_freq="$SAVE_FREQ" trainer.test_freq="$TEST_FREQ"
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$ACTOR_TP"
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$ACTOR_PP"
+    actor_rollout_ref.actor.megatron.expert_model_parallel_size="$ACTOR_EP"
     critic.megatron.tensor_model_parallel_size="$CRITIC_TP" critic.megatron.pipeline_model_parallel_size="$CRITIC_PP"
     trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NGPUS_PER_NODE"
   )

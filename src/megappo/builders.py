@@ -50,22 +50,34 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
 
     path = os.path.expanduser(model_path)
     info = describe(load_hf_config(path), tp=mc.tensor_model_parallel_size, value_head=value_head)
-    if info.desc.num_experts:
-        from megappo.models import ModelConfigError
-
-        raise ModelConfigError(f"{model_path}: Mixture-of-Experts models build and load (megappo.models, "
-                               "expert parallelism included) but do not train yet: the weight sync into vLLM, "
-                               "the HF export and checkpoints of experts arrive with issue 6/7")
+    moe = info.desc.num_experts > 0   # a dense role beside an MoE actor ignores the expert layout
     tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                               vpp=mc.virtual_pipeline_model_parallel_size, sequence_parallel=mc.sequence_parallel,
                               params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,
-                              cpu=device.type == "cpu", recompute=recompute_settings(mc, checkpointing))
+                              cpu=device.type == "cpu", recompute=recompute_settings(mc, checkpointing),
+                              ep=mc.expert_model_parallel_size if moe else 1, etp=mc.expert_tensor_parallel_size or 1,
+                              moe=moe_options(cfg, mc))
     # the reference has no seed of its own: all its weights are loaded
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
                           value_head_std=cfg.critic.model.value_head_init_std)
     load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, tcfg, chunks
+
+
+def moe_options(cfg: PPOConfig, mc: MegatronConfig | RefMegatronConfig):
+    """A role's Mixture-of-Experts router settings (its override_transformer_config.moe_*). The
+    forward-only reference has no losses and routes in the actor's precision, so that its
+    log-probs start equal to the actor's."""
+    from megappo.models import MoEOptions, te_available
+
+    grouped = te_available()   # TE's layer spec (models.build_model) comes with its grouped experts
+    if isinstance(mc, RefMegatronConfig):
+        actor = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+        return MoEOptions(router_dtype=actor.moe_router_dtype, grouped_gemm=grouped)
+    r = mc.override_transformer_config
+    return MoEOptions(aux_loss_coeff=r.moe_aux_loss_coeff, load_balancing_type=r.moe_router_load_balancing_type,
+                      z_loss_coeff=r.moe_z_loss_coeff, router_dtype=r.moe_router_dtype, grouped_gemm=grouped)
 
 
 def recompute_settings(mc: MegatronConfig | RefMegatronConfig, checkpointing: bool) -> Optional[tuple[str, str, int]]:

@@ -103,24 +103,27 @@ def find_model_config(path: str) -> Path:
 
 
 def _layer_params(m: ModelShape, tp: int) -> int:
-    """Parameters of one decoder layer on one TP rank (norms are replicated)."""
+    """Parameters of one decoder layer on one TP rank (norms are replicated), experts excluded."""
     h, d = m.hidden, m.head_dim
     q, kv = m.heads * d, m.groups * d
     attn = h * (q + 2 * kv) // tp + (q + 2 * kv) // tp * m.qkv_bias + q * h // tp
     norms = 2 * h + (2 * d if m.qk_norm else 0)
-    if m.experts:
-        mlp = h * m.experts + m.experts * 3 * h * m.moe_ffn // tp   # router (replicated) + experts (EP=1)
-    else:
-        mlp = 3 * h * m.ffn // tp
+    mlp = h * m.experts if m.experts else 3 * h * m.ffn // tp    # MoE: the router (replicated)
     return attn + norms + mlp
 
 
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool = False) -> int:
-    """Parameters one rank of pipeline stage ``stage`` holds (all its virtual chunks together).
-    First stage: the embedding; last stage: the final norm and the output layer (a (1, h) value
-    head with a bias for the critic; with tied embeddings and PP > 1 megatron keeps a copy of the embedding
-    there)."""
-    n = m.layers // pp * _layer_params(m, tp)
+def stage_expert_params(m: ModelShape, pp: int, ep: int) -> int:
+    """Expert parameters one rank of a stage holds: its E / EP experts of each layer, whole
+    (megappo's expert-TP is 1: TP does not divide them)."""
+    return m.layers // pp * (m.experts // ep) * 3 * m.hidden * m.moe_ffn if m.experts else 0
+
+
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool = False, ep: int = 1) -> int:
+    """Parameters one rank of pipeline stage ``stage`` holds (all its virtual chunks together),
+    its experts included (``ep``: expert-parallel size). First stage: the embedding; last stage:
+    the final norm and the output layer (a (1, h) value head with a bias for the critic; with tied
+    embeddings and PP > 1 megatron keeps a copy of the embedding there)."""
+    n = m.layers // pp * _layer_params(m, tp) + stage_expert_params(m, pp, ep)
     vp = padded_vocab_size(m.vocab, tp)
     if stage == 0:
         n += vp * m.hidden // tp
@@ -157,6 +160,7 @@ class PlanOptions:
     pp: int = 1
     vpp: Optional[int] = None
     dp: int = 1
+    ep: int = 1                          # expert parallelism (MoE): experts over EP of a stage's TP x DP ranks
     sequence_parallel: bool = True
     param_bytes: int = 2                 # bf16
     gpu_memory_gb: float = 80.0
@@ -202,15 +206,18 @@ class Plan:
         return self.peak()[0] <= self.budget
 
 
-def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training: bool) -> dict[str, int]:
-    """Weights, gradients and optimizer state of a role on one GPU; offloaded parts are absent
-    while the role is idle (weights come back for its forward passes, gradients and optimizer
-    state for its update only)."""
+def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training: bool, experts: int = 0) -> dict[str, int]:
+    """Weights, gradients and optimizer state of a role on one GPU (``n`` parameters, of which
+    ``experts`` are MoE experts); offloaded parts are absent while the role is idle (weights come
+    back for its forward passes, gradients and optimizer state for its update only). The
+    distributed optimizer shards dense state over DP and expert state over the expert-data-
+    parallel ranks (TP x DP / EP: the ranks holding the same experts)."""
     out = {"weights": 0 if (r.param_offload and not active) else o.param_bytes * n}
     if r.trains:
         out["grads"] = 0 if (r.grad_offload and not (active and training)) else 4 * n
-        per = (12 if o.param_bytes < 4 else 8) * n
-        per = per // o.dp if r.distributed_optimizer else per
+        b = 12 if o.param_bytes < 4 else 8
+        edp = max(1, o.tp * o.dp // o.ep)
+        per = b * (n - experts) // o.dp + b * experts // edp if r.distributed_optimizer else b * n
         out["optimizer"] = 0 if (r.optimizer_offload and not (active and training)) else per
     return out
 
@@ -256,7 +263,8 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
     roles = {"actor": o.actor, "critic": o.critic, "ref": o.ref}
     for s in range(o.pp):
         out.table[s] = {}
-        params = {name: stage_params(m, o.tp, o.pp, s, value_head=name == "critic") for name in roles}
+        params = {name: stage_params(m, o.tp, o.pp, s, value_head=name == "critic", ep=o.ep) for name in roles}
+        experts = stage_expert_params(m, o.pp, o.ep)
         for phase in PHASES:
             if any(not roles[name].present for name in ACTIVE[phase]):
                 continue
@@ -264,7 +272,7 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
             for name, r in roles.items():
                 if r.present:
                     for k, v in _state_bytes(params[name], o, r, name in ACTIVE[phase],
-                                             training=phase.startswith("update")).items():
+                                             training=phase.startswith("update"), experts=experts).items():
                         row[f"{name} {k}"] = v
             if phase == "sync":   # the engine is awake and the actor's weights are streamed into it
                 row["actor weights"] = o.param_bytes * params["actor"]
@@ -330,7 +338,8 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     if gpu is None:
         gpu = device_memory_gb() or 80.0
     return PlanOptions(
-        tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), sequence_parallel=m.sequence_parallel,
+        tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), ep=m.expert_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
         vllm_fraction=ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine, micro_batches=micro,
         actor=actor, critic=critic, ref=ref)
@@ -391,10 +400,11 @@ def cheapest_fix(m: ModelShape, o: PlanOptions) -> Optional[tuple[list[str], lis
 def render(p: Plan) -> str:
     o, m = p.options, p.model
     lines = [f"memory plan: {m.name or 'model'} ({stage_params(m, 1, 1, 0) / 1e9:.2f}B parameters), "
-             f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}, "
+             f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if m.experts else "")
+             + ", "
              f"{o.gpu_memory_gb:g} GiB per GPU ({RESERVE_GB:g} GiB reserved), vLLM {o.vllm_fraction:g}"]
     for s in p.table:
-        lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s) / 1e9:.2f}B actor parameters per GPU):")
+        lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s, ep=o.ep) / 1e9:.2f}B actor parameters per GPU):")
         for phase, row in p.table[s].items():
             parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in row.items() if v)
             lines.append(f"    {phase:<14} {p.total(s, phase) / GiB:7.1f} GiB  ({parts})")

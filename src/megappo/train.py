@@ -65,8 +65,9 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
 def describe_layout(cfg: PPOConfig) -> str:
     lay = parallel_layout(cfg)
     vpp = f" VPP={lay.vpp}" if lay.vpp else ""
+    ep = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size
     return (f"world={lay.world_size} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}) | "
-            f"train: TP={lay.tp} PP={lay.pp}{vpp} DP={lay.dp} | rollout: TP={lay.rollout_tp} DP={lay.rollout_dp} | "
+            f"train: TP={lay.tp} PP={lay.pp}{vpp} DP={lay.dp}{f' EP={ep}' if ep > 1 else ''} | rollout: TP={lay.rollout_tp} DP={lay.rollout_dp} | "
             f"device={cfg.trainer.device}")
 
 

@@ -377,6 +377,19 @@ RULES = [
      f"({A}megatron.tensor_model_parallel_size x {A}megatron.pipeline_model_parallel_size)"),
     ([A + "megatron.virtual_pipeline_model_parallel_size=2"], {},
      A + "megatron.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1 (is 1); set it to null"),
+    # -- expert parallelism (Mixture-of-Experts) --------------------------------------------------
+    ([A + "megatron.expert_model_parallel_size=0"], {}, A + "megatron.expert_model_parallel_size", "must be >= 1, got 0"),
+    ([A + "megatron.expert_model_parallel_size=4", A + "megatron.pipeline_model_parallel_size=2",
+      "trainer.n_gpus_per_node=4"], {}, A + "megatron.expert_model_parallel_size",
+     "must divide world size / PP = 4 / 2 = 2 (the expert-parallel ranks are taken from each pipeline stage's"),
+    (["critic.megatron.expert_tensor_parallel_size=2"], {}, "critic.megatron.expert_tensor_parallel_size",
+     "must be 1 or null: megappo keeps each expert whole on its EP rank"),
+    (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"], {},
+     "actor_rollout_ref.ref.megatron.expert_model_parallel_size", f"must equal {A}megatron.expert_model_parallel_size (1)"),
+    (GOOD_PATHS + [A + "megatron.expert_model_parallel_size=2"], PATHS, A + "megatron.expert_model_parallel_size",
+     "must be 1: actor_rollout_ref.model.path ({tmp}/model) is a dense model (no num_experts in its config.json), got 2"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", A + "megatron.expert_model_parallel_size=2"], PATHS,
+     A + "megatron.expert_model_parallel_size", "must divide the model's num_experts (3, actor_rollout_ref.model.path), got 2"),
     (["critic.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4"], {},
      "critic.megatron.tensor_model_parallel_size",
      f"must equal {A}megatron.tensor_model_parallel_size (1), got 2: the actor, reference and critic share one "
@@ -544,6 +557,8 @@ def path_tree(tmp_path_factory):
         (tmp / name).write_bytes(b"x")
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text("{}")
+    (tmp / "moe3").mkdir()   # a Mixture-of-Experts model whose 3 experts EP2 cannot divide
+    (tmp / "moe3" / "config.json").write_text('{"num_experts": 3}')
     (tmp / "ckpt").mkdir()
     return str(tmp)
 

@@ -75,7 +75,7 @@ PLANNED = ["data.train_batch_size", "data.max_prompt_length", "data.max_response
            "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c"]
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b", "dapo_qwen3_8b"])
+@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b", "dapo_qwen3_8b", "qwen3_30b_a3b"])
 def test_dry_run_plans_the_job_the_recipe_yaml_describes(recipe):
     """DRY_RUN=1 prints the memory plan; what the launch script resolves equals what its
     parallel_configs YAML alone gives (so `python -m megappo.plan --config <yaml>` plans the job)."""
@@ -110,6 +110,21 @@ def test_dapo_recipe_resolves_dapos_published_settings():
     assert cfg["reward_model"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0}
     assert ro["val_kwargs"]["top_p"] == 0.7 and ro["val_kwargs"]["do_sample"] is True
     assert "train: TP=2 PP=2 DP=2 | rollout: TP=2 DP=4" in p.stdout and ": FITS" in p.stdout
+
+
+def test_moe_recipe_lays_experts_over_eight_gpus():
+    p = _dry("qwen3_30b_a3b.sh", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    assert cfg["actor_rollout_ref"]["actor"]["megatron"]["expert_model_parallel_size"] == 8
+    assert cfg["actor_rollout_ref"]["ref"]["megatron"]["expert_model_parallel_size"] == 8   # inherited
+    assert "train: TP=1 PP=1 DP=16 EP=8 | rollout: TP=4 DP=4" in p.stdout and "DP16 EP8" in p.stdout
+    assert ": FITS" in p.stdout
+    # one node of 80 GB GPUs does not fit: the plan says so (and the launcher checks EP against the stage)
+    p = _dry("qwen3_30b_a3b.sh", GPU_MEMORY_GB="80", NNODES="1")
+    assert p.returncode == 0 and "DOES NOT FIT" in p.stdout, p.stdout[-2000:]
+    p = _dry("qwen3_30b_a3b.sh", ACTOR_EP="3")
+    assert p.returncode == 2 and "ACTOR_EP=3 must divide the ranks of a pipeline stage" in p.stderr
 
 
 def test_ray_launcher_rank_plan_keeps_nodes_contiguous():

@@ -1,5 +1,5 @@
 """Qwen3-MoE configs (issue 6/7, first slice): what describe() reads, what megatron's config gets,
-the shipped Qwen3-30B-A3B config, and the trainer's refusal until the MoE weight sync exists."""
+the shipped Qwen3-30B-A3B config, each role's router settings, and TE's grouped expert names."""
 import json
 import os
 import sys
@@ -55,13 +55,64 @@ def test_the_shipped_qwen3_30b_a3b_config():
     assert d.norm_topk_prob is True and d.moe_ffn_hidden_size == 768
 
 
-def test_the_trainer_refuses_moe_until_its_weight_sync_exists(tmp_path):
+def test_each_role_gets_its_router_settings_and_the_layout(tmp_path):
+    """override_transformer_config.moe_* reach megatron's config per role: the actor's and the
+    critic's losses, the reference without losses but in the actor's router precision; a dense
+    critic beside an MoE actor is built without experts (ep ignored)."""
     from megappo import builders
     from megappo.config import load_config
-    from megappo.models import ModelConfigError
+    from megappo.models import describe, load_hf_config, transformer_config
 
     save_tiny_model("qwen3_moe", tmp_path / "moe", num_hidden_layers=2)
-    cfg = load_config([f"actor_rollout_ref.model.path={tmp_path / 'moe'}"], ["tiny_cpu"])
-    with pytest.raises(ModelConfigError, match="Mixture-of-Experts models build and load .* do not train yet"):
-        builders.build_model(cfg, str(tmp_path / "moe"), cfg.actor_rollout_ref.actor.megatron, value_head=False,
-                             device=torch.device("cpu"))
+    A = "actor_rollout_ref.actor.megatron."
+    cfg = load_config([f"actor_rollout_ref.model.path={tmp_path / 'moe'}", A + "expert_model_parallel_size=2",
+                       "+" + A + "override_transformer_config.moe_aux_loss_coeff=0.01",
+                       "+" + A + "override_transformer_config.moe_router_load_balancing_type=seq_aux_loss",
+                       "+" + A + "override_transformer_config.moe_z_loss_coeff=0.001",
+                       "+" + A + "override_transformer_config.moe_router_dtype=fp64"], ["tiny_cpu"])
+    assert cfg.critic.megatron.expert_model_parallel_size == 2     # the layout is inherited
+    info = describe(load_hf_config(str(tmp_path / "moe")))
+    actor = transformer_config(info, cpu=True, ep=2, moe=builders.moe_options(cfg, cfg.actor_rollout_ref.actor.megatron))
+    assert (actor.moe_aux_loss_coeff, actor.moe_router_load_balancing_type, actor.moe_z_loss_coeff,
+            actor.moe_router_dtype, actor.expert_model_parallel_size) == (0.01, "seq_aux_loss", 0.001, "fp64", 2)
+    ref = transformer_config(info, cpu=True, moe=builders.moe_options(cfg, cfg.actor_rollout_ref.ref.megatron))
+    assert (ref.moe_aux_loss_coeff, ref.moe_router_load_balancing_type, ref.moe_z_loss_coeff,
+            ref.moe_router_dtype) == (0.0, "none", None, "fp64")
+    critic = transformer_config(info, cpu=True, moe=builders.moe_options(cfg, cfg.critic.megatron))
+    assert (critic.moe_aux_loss_coeff, critic.moe_router_load_balancing_type, critic.moe_router_dtype) == (0.0, "none", "fp32")
+    assert not actor.moe_grouped_gemm      # no TransformerEngine here: SequentialMLP
+    with pytest.raises(Exception, match="expert_tensor_parallel_size must be 1"):
+        transformer_config(info, cpu=True, etp=2)
+
+
+def test_te_grouped_expert_names_map_to_global_experts():
+    """TransformerEngine's grouped experts name their weights experts.linear_fc1.weightL (and its
+    MoE layers keep a separate pre-MLP norm): the HF name map and the local -> global expert index
+    follow, as for SequentialMLP's local_experts.L."""
+    import torch.nn as nn
+
+    from megappo.convert.hf_io import RankCoords, local_params
+    from megappo.convert.names import param_maps
+    from megappo.models import describe
+
+    desc = describe(hf_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[0])).desc
+    te = {pm.megatron: pm for pm in param_maps(desc, te=True)}
+    local = {pm.megatron: pm for pm in param_maps(desc, te=False)}
+    assert te["decoder.layers.1.mlp.experts.linear_fc1.weight3"].hf == local[
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].hf == (
+        "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert te["decoder.layers.1.mlp.experts.linear_fc2.weight0"].expert == 0
+    assert te["decoder.layers.1.pre_mlp_layernorm.weight"].hf == ("model.layers.1.post_attention_layernorm.weight",)
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te      # the dense layer fuses it
+    assert len(te) == len(local)
+
+    class Chunk(nn.Module):   # parameter names as TE's grouped experts / SequentialMLP register them, 2 per rank
+        def named_parameters(self, *a, **kw):
+            for k in range(2):
+                yield f"decoder.layers.1.mlp.experts.linear_fc1.weight{k}", nn.Parameter(torch.zeros(1))
+                yield f"decoder.layers.1.mlp.experts.local_experts.{k}.linear_fc2.weight", nn.Parameter(torch.zeros(1))
+
+    names = set(local_params([Chunk()], desc, RankCoords(ep=2, ep_rank=1)))
+    assert names == {"decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.1.mlp.experts.linear_fc1.weight3",
+                     "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight",
+                     "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"}

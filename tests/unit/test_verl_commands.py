@@ -62,10 +62,11 @@ def test_megatron_commands_run_unchanged_or_name_the_missing_feature(cmd):
     rc, out, err = dry_run(cmd["argv"])
     lacking = LACKING.get(cmd["source"], set())
     if cmd["source"] == MOE:
-        lacking = {_key(a) for a in cmd["argv"] if ".override_transformer_config." in a or "override_optimizer_config" in a
-                   or "override_config." in a or "expert_model_parallel_size" in a
-                   or _key(a).startswith("reward_model.reward_kwargs")}  # MoE, its fusions; DAPO's overlong
-        # settings under verl's reward_kwargs name (reward_model.overlong_buffer.* here; reward_manager=dapo is accepted)
+        lacking = {_key(a) for a in cmd["argv"] if ".override_transformer_config." in a and ".moe_" not in a
+                   or "override_optimizer_config" in a or "override_config." in a
+                   or _key(a).startswith("reward_model.reward_kwargs")}  # fusions and optimizer offload; DAPO's
+        # overlong settings under verl's reward_kwargs name (reward_model.overlong_buffer.* here; reward_manager=dapo
+        # is accepted). The MoE keys run: EP is a setting, moe_router_dtype too, the MoE fusion switches warn.
     if not lacking:
         assert rc == 0, err
         cfg = yaml.safe_load(out[:out.index("# layout")])
@@ -139,7 +140,15 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("actor_rollout_ref.actor.megatron.param_offload=True", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform", None, None),
     ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "error",
-     "only recompute_granularity, recompute_method and recompute_num_layers are settings"),
+     "only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff"),
+    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", None, None),   # settings since 6/7
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.001", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=flex", "warn",
+     "alltoall dispatcher"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep=True", "warn", "DeepEP"),
     ("critic.megatron.optimizer_offload=False", None, None),
     ("actor_rollout_ref.hybrid_engine=True", None, None),
     ("actor_rollout_ref.hybrid_engine=False", "error", "always colocates"),

@@ -82,10 +82,14 @@ class OptimConfig:
 
 @dataclass
 class RecomputeConfig:
-    """verl passes megatron's recomputation settings under override_transformer_config."""
+    """verl passes megatron's recomputation and MoE router settings under override_transformer_config."""
     recompute_granularity: Optional[Literal["full", "selective"]] = _f(None, "Activation recomputation: null (none), full (each block of recompute_num_layers layers keeps only its input and is recomputed in backward), selective (megatron recomputes core attention only; little to gain with flash attention).")
     recompute_method: Literal["uniform", "block"] = _f("uniform", "full recomputation: uniform (every block of recompute_num_layers layers) or block (only the first recompute_num_layers layers of each stage).")
     recompute_num_layers: int = _f(1, "full recomputation: layers per recomputed block (uniform) or recomputed layers per stage (block).")
+    moe_aux_loss_coeff: float = _f(0.0, "Mixture-of-Experts: weight of megatron's load-balancing loss (computed per MoE layer and micro-batch over all its tokens (padding included unless use_remove_padding packs the micro-batch), type moe_router_load_balancing_type); 0 turns it off. Not transformers' router_aux_loss_coef (one loss pooled over all layers), which megappo does not read. Logged as actor/moe_aux_loss (the unweighted loss, summed over layers).")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = _f("aux_loss", "Mixture-of-Experts: the load-balancing loss moe_aux_loss_coeff weighs: aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss (over the global batch).")
+    moe_z_loss_coeff: Optional[float] = _f(None, "Mixture-of-Experts: weight of the router z-loss (mean squared log-sum-exp of the router logits); null turns it off. Logged as actor/moe_z_loss.")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = _f("fp32", "Mixture-of-Experts: precision of the router's logits and top-k softmax (null: the model's dtype). fp32 keeps bf16 training from flipping near-tied expert choices.")
 
 
 @dataclass
@@ -96,10 +100,12 @@ class MegatronConfig:
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
     use_distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     seed: int = _f(42, "Seed of megatron's model-parallel RNGs (weight init, dropout).")
+    expert_model_parallel_size: int = _f(1, "Expert-parallel size (EP), Mixture-of-Experts models only: each MoE layer's experts are divided over EP ranks, taken from the TP x DP ranks of a pipeline stage (so EP must divide world / PP); tokens reach their experts by all-to-all.")
+    expert_tensor_parallel_size: Optional[int] = _f(None, "Expert tensor-parallel size: megappo keeps each expert whole on its EP rank, so 1 or null (null means 1 here; in verl it means TP).")
     param_offload: bool = _f(False, "Keep this role's weights in host memory while it is idle (during rollout and the other roles' passes); they come back before its next forward.")
     grad_offload: bool = _f(False, "Free this role's gradient buffer while it is idle (gradients are zeroed before every update, so nothing is copied).")
     optimizer_offload: bool = _f(False, "Keep this role's optimizer state (fp32 main weights, Adam moments) in host memory while it is idle.")
-    override_transformer_config: RecomputeConfig = _sub(RecomputeConfig, "Activation recomputation (verl's override_transformer_config.recompute_*).")
+    override_transformer_config: RecomputeConfig = _sub(RecomputeConfig, "Activation recomputation (verl's override_transformer_config.recompute_*) and, for Mixture-of-Experts models, the router's losses and precision (moe_*).")
 
 
 @dataclass
@@ -109,6 +115,8 @@ class RefMegatronConfig:
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
+    expert_model_parallel_size: int = _f(1, "Expert-parallel size (EP), Mixture-of-Experts models only.")
+    expert_tensor_parallel_size: Optional[int] = _f(None, "Expert tensor-parallel size: 1 or null (experts whole on their EP rank).")
     param_offload: bool = _f(False, "Keep the reference's weights in host memory except during its log-prob pass.")
 
 
@@ -116,7 +124,8 @@ class RefMegatronConfig:
 # parallel state per process), so their layout (and the critic's optimizer sharding and seed)
 # defaults to the actor's; offload and recomputation are each role's own.
 _INHERITED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-              "sequence_parallel", "use_distributed_optimizer", "seed")
+              "sequence_parallel", "use_distributed_optimizer", "seed", "expert_model_parallel_size",
+              "expert_tensor_parallel_size")
 
 
 def _inherit_megatron(cls=MegatronConfig):

@@ -124,9 +124,21 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
     if vpp is not None and vpp >= 1:
         need(pp > 1, A + "megatron.virtual_pipeline_model_parallel_size",
              f"the interleaved schedule needs pipeline_model_parallel_size > 1 (is {pp}); set it to null")
+    ep = m.expert_model_parallel_size
+    if need(ep >= 1, A + "megatron.expert_model_parallel_size", f"must be >= 1, got {ep}") and layout_ok and ep > 1:
+        # megatron lays the EP ranks over the TP x DP ranks of each pipeline stage (expert-TP 1)
+        need((world // pp) % ep == 0, A + "megatron.expert_model_parallel_size",
+             f"must divide world size / PP = {world} / {pp} = {world // pp} (the expert-parallel ranks are taken "
+             f"from each pipeline stage's TP x DP ranks), got {ep}")
+    for sect in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        etp = get(cfg, sect + ".megatron").expert_tensor_parallel_size
+        need(etp in (None, 1), f"{sect}.megatron.expert_tensor_parallel_size",
+             f"must be 1 or null: megappo keeps each expert whole on its EP rank (expert tensor parallelism is not "
+             f"supported; divide experts with expert_model_parallel_size instead), got {etp}")
     for sect in ("actor_rollout_ref.ref", "critic"):
         other = get(cfg, sect + ".megatron")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                     "expert_model_parallel_size"):
             need(getattr(other, name) == getattr(m, name), f"{sect}.megatron.{name}",
                  f"must equal {A}megatron.{name} ({getattr(m, name)}), got {getattr(other, name)}: the actor, "
                  "reference and critic share one megatron parallel state per process")
@@ -393,8 +405,25 @@ def _check_model_path(cfg: PPOConfig, key: str, need) -> None:
     local = Path(os.path.expanduser(p))
     if local.exists() or p.startswith(("/", ".", "~")) or p.count("/") != 1:
         if need(local.is_dir(), key, f"model directory not found: {p}"):
-            need((local / "config.json").is_file(), key, f"{p} has no config.json (expected a HuggingFace model folder)")
+            if need((local / "config.json").is_file(), key, f"{p} has no config.json (expected a HuggingFace model folder)"):
+                _check_experts(cfg, key, local / "config.json", need)
     # else: a hub id ("Qwen/Qwen3-8B"), resolved from the local HF cache when the model loads.
+
+
+def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
+    """Expert parallelism against the model: EP > 1 needs a Mixture-of-Experts model whose
+    experts it divides."""
+    import json
+
+    try:
+        experts = int(json.loads(config_json.read_text()).get("num_experts") or 0)
+    except (ValueError, OSError):
+        return   # the model loader reports an unreadable config.json with its own error
+    ep, k = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size, A + "megatron.expert_model_parallel_size"
+    if ep > 1 and not experts and key == "actor_rollout_ref.model.path":   # a dense critic beside an MoE actor is fine
+        need(False, k, f"must be 1: {key} ({get(cfg, key)}) is a dense model (no num_experts in its config.json), got {ep}")
+    elif experts and ep >= 1:
+        need(experts % ep == 0, k, f"must divide the model's num_experts ({experts}, {key}), got {ep}")
 
 
 def critic_enabled(cfg: PPOConfig) -> bool:
@@ -410,4 +439,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _sampling, _optimizers, _trainer, _paths, _check_model_path)
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _sampling, _optimizers, _trainer, _paths, _check_model_path,
+                  _check_experts)

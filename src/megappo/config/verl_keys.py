@@ -58,9 +58,12 @@ RULES: list[tuple[str, Rule]] = [
     # features megappo lacks
     ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: context parallelism is not supported")),
     ("*.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: megappo starts from the HF folder in model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
-    ("*.megatron.expert_model_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
-    ("*.megatron.expert_tensor_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: Mixture-of-Experts models and expert parallelism are not supported yet (issue 6/7)")),
-    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method and recompute_num_layers are settings")),
+    # MoE performance switches of verl's Megatron recipes: what megappo does, or a note that it does not
+    ("*.megatron.override_transformer_config.moe_grouped_gemm", _when(lambda v: not _truthy(v), "warn", "has no effect: megappo uses TransformerEngine's grouped expert GEMMs whenever TransformerEngine is installed (SequentialMLP otherwise)")),
+    ("*.megatron.override_transformer_config.moe_token_dispatcher_type", _when(lambda v: v != "alltoall", "warn", "has no effect: megappo dispatches tokens to experts with megatron's alltoall dispatcher")),
+    ("*.megatron.override_transformer_config.moe_permute_fusion", _when(_truthy, "warn", "has no effect: megappo uses megatron's unfused token permutation")),
+    ("*.megatron.override_transformer_config.moe_enable_deepep", _when(_truthy, "warn", "has no effect: DeepEP dispatch is not supported; megappo uses the alltoall dispatcher")),
+    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),

@@ -160,7 +160,8 @@ def _read_shard(pm: ParamMap, read: Callable, desc: ModelDesc, rank: int, size: 
     return read(pm.hf[0], pm.partition_dim, s)
 
 
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+# an expert's local index in its name: SequentialMLP (local_experts.L.) or TE's grouped experts (weightL)
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.weight(\d+)$)")
 
 
 def local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch.nn.Parameter]:
@@ -172,7 +173,8 @@ def local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch
             name = to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp)
             m = _LOCAL_EXPERT.search(name)
             if m:   # this EP rank's k-th expert is the model's (ep_rank x experts per rank + k)-th
-                name = f"{name[:m.start(1)]}{coords.ep_rank * per_rank + int(m.group(1))}{name[m.end(1):]}"
+                g = 1 if m.group(1) is not None else 2
+                name = f"{name[:m.start(g)]}{coords.ep_rank * per_rank + int(m.group(g))}{name[m.end(g):]}"
             out[name] = p
     return out
 

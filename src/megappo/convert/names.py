@@ -74,16 +74,22 @@ def param_maps(desc: ModelDesc, te: bool = False) -> list[ParamMap]:
             maps.append(ParamMap(m + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "copy", None, i))
             maps.append(ParamMap(m + "self_attention.k_layernorm.weight", (att + "k_norm.weight",), "copy", None, i))
         maps.append(ParamMap(m + "self_attention.linear_proj.weight", (att + "o_proj.weight",), "copy", 1, i))
-        maps.append(ParamMap(m + mlp_norm, (h + "post_attention_layernorm.weight",), "copy", None, i))
-        if i in desc.moe_layers:
+        moe = i in desc.moe_layers
+        # TE's MoE layers keep their own pre-MLP norm (no linear_fc1 to fuse it into)
+        maps.append(ParamMap(m + ("pre_mlp_layernorm.weight" if moe else mlp_norm),
+                             (h + "post_attention_layernorm.weight",), "copy", None, i))
+        if moe:
             # router replicated; each expert whole on its expert-parallel rank (expert-TP 1), named
-            # here by its global index (hf_io maps it to the rank's local one)
+            # here by its global index (hf_io maps it to the rank's local one). SequentialMLP:
+            # experts.local_experts.E.linear_fc1.weight; TE's grouped experts: experts.linear_fc1.weightE
             maps.append(ParamMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None, i))
             for e in range(desc.num_experts):
-                x, hx = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
-                maps.append(ParamMap(x + "linear_fc1.weight", (hx + "gate_proj.weight", hx + "up_proj.weight"),
-                                     "gate_up", None, i, expert=e))
-                maps.append(ParamMap(x + "linear_fc2.weight", (hx + "down_proj.weight",), "copy", None, i, expert=e))
+                fc1, fc2 = ((f"{m}mlp.experts.linear_fc1.weight{e}", f"{m}mlp.experts.linear_fc2.weight{e}") if te else
+                            (f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight",
+                             f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"))
+                hx = f"{h}mlp.experts.{e}."
+                maps.append(ParamMap(fc1, (hx + "gate_proj.weight", hx + "up_proj.weight"), "gate_up", None, i, expert=e))
+                maps.append(ParamMap(fc2, (hx + "down_proj.weight",), "copy", None, i, expert=e))
             continue
         maps.append(ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                              "gate_up", 0, i))

@@ -11,10 +11,12 @@ from .layers import ValueHead, layer_spec, te_available
 __all__ = ["initialize_parallel", "build_model", "parallel_ranks"]
 
 
-def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42, ep: Optional[int] = None) -> None:
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42, ep: Optional[int] = None,
+                        etp: int = 1) -> None:
     """megatron's parallel state for TP x PP (x VPP); DP is what remains of the world. ``ep``
-    (Mixture-of-Experts models only): experts over that many ranks, expert-TP 1. Seeds the
-    model-parallel RNGs. torch.distributed must already be initialised."""
+    (Mixture-of-Experts models only): experts over that many ranks; ``etp`` (expert-TP) must be 1:
+    each expert stays whole on its EP rank. Seeds the model-parallel RNGs. torch.distributed must
+    already be initialised."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -22,6 +24,10 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    if etp != 1:
+        raise ValueError(f"expert_tensor_parallel_size must be 1 (experts stay whole on their EP rank), got {etp}")
+    if ep and (world // pp) % ep:
+        raise ValueError(f"expert_model_parallel_size {ep} does not divide world size / PP = {world} / {pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     expert = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}

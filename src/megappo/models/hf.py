@@ -9,7 +9,7 @@ import torch
 
 from megappo.convert.names import ModelDesc
 
-__all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "describe", "load_hf_config",
+__all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "MoEOptions", "describe", "load_hf_config",
            "transformer_config", "padded_vocab_size"]
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
@@ -17,7 +17,7 @@ SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwe
 # Scalar-head models (critic exports, reward models): the same backbones with a one-label
 # ``score`` head, which only a value-head build can use.
 SCALAR_HEAD_ARCHITECTURES = {"Qwen3ForTokenClassification": "qwen3", "Qwen2ForTokenClassification": "qwen2",
-                             "LlamaForTokenClassification": "llama"}
+                             "LlamaForTokenClassification": "llama", "Qwen3MoeForTokenClassification": "qwen3_moe"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -134,20 +134,35 @@ def _moe_fields(c) -> dict:
                 norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)), moe_layers=layers)
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    """A Mixture-of-Experts role's router settings (megatron.override_transformer_config.moe_*).
+    ``grouped_gemm``: TransformerEngine's grouped expert GEMMs (TEGroupedMLP) instead of one
+    linear pair per expert (SequentialMLP); the builders turn it on with TE's layer spec."""
+    aux_loss_coeff: float = 0.0
+    load_balancing_type: str = "aux_loss"
+    z_loss_coeff: Optional[float] = None
+    router_dtype: Optional[str] = "fp32"
+    grouped_gemm: bool = False
+
+
 def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                       cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None, ep: int = 1):
+                       cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None, ep: int = 1,
+                       etp: int = 1, moe: MoEOptions = MoEOptions()):
     """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
     parameters are initialised (``use_cpu_initialization``). ``recompute``: (granularity,
     method, num_layers) of megatron's activation recomputation; selective takes no method or
-    layer count."""
+    layer count. ``ep``, ``moe``: expert parallelism and router settings (MoE models only)."""
     from megatron.core.transformer import TransformerConfig
 
     d = info.desc
     if d.num_layers % (pp * (vpp or 1)):
         raise ModelConfigError(f"num_hidden_layers ({d.num_layers}) is not divisible by pipeline_model_parallel_size x "
                                f"virtual stages ({pp} x {vpp or 1})")
-    moe = {}
+    experts = {}
+    if etp != 1:
+        raise ModelConfigError(f"expert_tensor_parallel_size must be 1 (each expert whole on its EP rank), got {etp}")
     if d.num_experts:
         if d.num_experts % ep:
             raise ModelConfigError(f"num_experts ({d.num_experts}) is not divisible by expert_model_parallel_size ({ep})")
@@ -156,14 +171,16 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
                                    "(megatron's MoE layer refuses to train without it)")
         # HF's router: softmax over all experts, top-k, renormalised when norm_topk_prob; megatron's
         # softmax over the top-k logits is the same renormalised distribution (pre_softmax=False).
-        moe = dict(num_moe_experts=d.num_experts, moe_router_topk=d.moe_topk, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+        experts = dict(num_moe_experts=d.num_experts, moe_router_topk=d.moe_topk, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
                    moe_router_score_function="softmax", moe_router_pre_softmax=not d.norm_topk_prob,
-                   moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+                   moe_router_load_balancing_type=moe.load_balancing_type if moe.aux_loss_coeff > 0 else "none",
+                   moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+                   moe_router_dtype=moe.router_dtype, moe_grouped_gemm=moe.grouped_gemm,
                    moe_layer_freq=[1 if i in d.moe_layers else 0 for i in range(d.num_layers)],
                    expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     elif ep != 1:
         raise ModelConfigError(f"expert_model_parallel_size={ep} needs a Mixture-of-Experts model")
-    return TransformerConfig(**moe,
+    return TransformerConfig(**experts,
         num_layers=d.num_layers, hidden_size=d.hidden_size, ffn_hidden_size=d.ffn_hidden_size,
         num_attention_heads=d.num_heads, num_query_groups=d.num_groups, kv_channels=d.head_dim,
         normalization="RMSNorm", layernorm_epsilon=info.rms_norm_eps, qk_layernorm=d.qk_layernorm,

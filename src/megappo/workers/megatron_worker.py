@@ -23,6 +23,7 @@ from megappo.distributed import (log_probs_and_entropy, log_probs_from_logits, m
                                  sum_pi_squared_from_vocab_parallel_logits)
 
 from .batching import fit_to_multiple, micro_batch_groups
+from .moe_stats import RouterStats
 from .offload import StateOffload
 from .packing import Packed, pack
 
@@ -226,6 +227,16 @@ class MegatronWorker:
         self.state_offload.ensure(params=True, grads=True, optimizer=True)
         history = {k: [] for k in (*keys, "grad_norm")}
         history["lr"] = [self.optimizer.param_groups[0]["lr"]]
+        router = RouterStats(self.chunks, self.config, self.device)   # MoE: router losses and expert load
+        with router:
+            self._epochs(batch, history, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs, make_loss, keys,
+                         prepare)
+        history.update({k: [v] for k, v in router.metrics().items()})
+        self.scheduler.step(increment=1)
+        return history
+
+    def _epochs(self, batch, history, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs, make_loss, keys,
+                prepare) -> None:
         for epoch in range(ppo_epochs):
             for i, mini in enumerate(batch.split(mini_batch_size)):
                 if prepare is not None:
@@ -245,8 +256,6 @@ class MegatronWorker:
                     local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
                     history[key].append(self._global_sum(local))
                 history["grad_norm"].append(grad_norm)
-        self.scheduler.step(increment=1)
-        return history
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
         """A tensor computed on the last pipeline stage, on every stage."""
