@@ -121,3 +121,23 @@ def test_buckets_never_mix_full_tensors_and_kernel_shards():
     # plain (name, tensor) pairs still bucket as before
     pairs = [(i.name, i.tensor) for i in items]
     assert [len(b) for b in layer_buckets(pairs, bucket_bytes=1)] == [3, 2, 4]
+
+
+MOE = ModelDesc(arch="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_heads=8, num_groups=4,
+                head_dim=8, vocab_size=500, padded_vocab_size=512, tie_word_embeddings=False, qkv_bias=False,
+                qk_layernorm=True, num_experts=4, moe_ffn_hidden_size=32, moe_topk=2, moe_layers=(1,))
+
+
+def test_plan_declines_mixture_of_experts():
+    """Even an engine reporting a shard of every megatron tensor under the names the dense path would
+    use: MoE takes the full gather (vLLM's experts are stacked and TP-sharded, megatron's are whole per
+    EP rank), with that reason."""
+    params = _engine_params(MOE, 2)
+    assert any(".mlp.experts.3." in n for n in params)  # the expert tensors are in the map
+    plan, why = plan_shard_sync(MOE, RankCoords(tp=2, tp_rank=1, ep=2, ep_rank=1), False, params, 2, 1)
+    assert plan is None and why.startswith("a Mixture-of-Experts model"), why
+    # the same layout without experts would have been taken whole
+    dense = ModelDesc(**{**MOE.__dict__, "arch": "qwen3", "num_experts": 0, "moe_ffn_hidden_size": 0,
+                         "moe_topk": 0, "moe_layers": ()})
+    plan, why = plan_shard_sync(dense, RankCoords(tp=2, tp_rank=1), False, _engine_params(dense, 2), 2, 1)
+    assert plan is not None and why == ""

@@ -19,6 +19,11 @@ tensors, runs the model's own ``load_weights`` (fusing q/k/v and gate/up, slicin
 and re-processes kernels layer by layer, keeping storage addresses (CUDA graphs stay valid).
 With ``is_checkpoint_format=False`` it copies vLLM-named, already sharded tensors into the
 parameters instead: :mod:`megappo.rollout.shard_sync` uses that when the layouts agree.
+
+Mixture-of-Experts layers (Qwen3-MoE) take the same checkpoint-format path, each MoE layer whole in
+one call; vLLM 0.32's reload skips the CPU experts' weight prepacking, which
+:func:`_install_moe_reload_hooks` puts back (see the comment there), and every sync checks that
+each MoE layer was re-processed exactly once.
 """
 from __future__ import annotations
 
@@ -133,7 +138,7 @@ class VLLMRollout:
         self.free_cache_engine = free_cache_engine and device == "cuda"
         self._sleeping = False
         self._cpu_sleep_logged = False
-        eos, pad, self.tie_word_embeddings = _model_facts(self.model_path)
+        eos, pad, self.tie_word_embeddings, is_moe = _model_facts(self.model_path)
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (pad if pad is not None else self.eos_token_ids[0])
         # In-process engine on every device: starts in seconds and takes the actor's tensors
@@ -180,6 +185,7 @@ class VLLMRollout:
             InprocClient = ()
         self._in_process = bool(InprocClient) and isinstance(
             getattr(self.llm.llm_engine, "engine_core", None), InprocClient)
+        self.moe_layers = self._prepare_moe_reload(is_moe)  # this rank's MoE layers (0: dense)
         self.weights_version = 0  # bumped by every sync; 0 = dummy weights, never generate from them
 
     # -- generation -------------------------------------------------------------------------
@@ -266,12 +272,48 @@ class VLLMRollout:
                 n_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
                 n_buckets += 1
         reload_log.check(n_buckets)
+        if self.moe_layers:
+            self._check_moe_reprocessed()
         self.llm.reset_prefix_cache()
         if self._sleeping:
             self.wake_up(tags=["kv_cache"])
         self.weights_version += 1
         dt = time.perf_counter() - t0
         return {"rollout/sync_s": dt, "rollout/sync_bytes": n_bytes, "rollout/sync_buckets": n_buckets}
+
+    def _prepare_moe_reload(self, is_moe: bool) -> int:
+        """Install the MoE reload hooks on this rank's worker (:func:`_install_moe_reload_hooks`);
+        the number of MoE layers found. Raises when the model is MoE and the hooks cannot be
+        installed, or when vLLM is not the one they were verified on."""
+        if not self._in_process:
+            if is_moe:
+                raise RuntimeError(f"vLLM {_vllm_version()}: the weight sync of a Mixture-of-Experts model needs the "
+                                   "in-process engine (vllm.v1.engine.core_client.InprocClient) to re-process its "
+                                   "expert layers after a reload; this engine runs in another process")
+            return 0
+        layers = self.llm.collective_rpc(_install_moe_reload_hooks, args=(is_moe,))[0]
+        if is_moe and not layers:
+            raise RuntimeError(_vllm_changed("the model's config has experts, but no module of the engine's model "
+                                             "has a FusedMoEMethodBase quant_method (the MoE layer class changed?)"))
+        if layers:
+            repack = [name for name, r in layers if r]
+            log.info("rollout: %d MoE layers; %s", len(layers),
+                     f"their CPU experts are re-prepacked after every weight reload (vLLM {_vllm_version()} skips it)"
+                     if repack else "their experts need no re-processing after a reload")
+        return len(layers)
+
+    def _check_moe_reprocessed(self) -> None:
+        """After a full sync: vLLM's reload re-processed every MoE layer exactly once. Not at all:
+        its experts keep old or unprocessed weights (vLLM no longer processes them there, or the
+        sync sent kernel-format shards, which MoE layers cannot take); twice: the layer's tensors
+        were split over reload calls and one call processed a partial layer."""
+        counts = self.llm.collective_rpc(_take_moe_process_counts)[0]
+        bad = {name: n for name, n in counts.items() if n != 1}
+        if len(counts) != self.moe_layers or bad:
+            raise RuntimeError(_vllm_changed(
+                f"after a weight sync each of the {self.moe_layers} MoE layers must have been re-processed "
+                f"exactly once by the reload (UnquantizedFusedMoEMethod.process_weights_after_loading); got "
+                f"{dict(list(bad.items())[:4]) if bad else counts}"))
 
     def kernel_layout(self) -> tuple[Optional[dict], int, int]:
         """This rank's engine parameters (name -> shape, in vLLM's kernel layout), its TP size and
@@ -386,6 +428,128 @@ class _BucketedReloadLog(logging.Filter):
                                f"and keep their previous values: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+# -- MoE layers: re-process after an in-place reload ---------------------------------------------
+# vLLM's layer-wise reload (model_loader/reload/layerwise.py) rebuilds each module from its
+# checkpoint-format metadata, loads the new tensors into it, runs its quant method's
+# process_weights_after_loading and copies the result into the old storage. For MoE experts that is
+# UnquantizedFusedMoEMethod's (fused_moe/unquantized_fused_moe_method.py). On a weight update (its
+# moe_kernel already exists) its _setup_kernel skips `moe_kernel.fused_experts.
+# process_weights_after_loading(layer)`, where the CPU experts (CPUUnquantizedExperts,
+# fused_moe/experts/cpu_moe.py) pad and prepack w13/w2 for their grouped GEMM: the engine then runs
+# a prepacked-layout kernel over plain weights of the same shape. No error, wrong log-probs (0.02 to
+# 0.66 on tiny test models, from the very first sync, dummy weights included; see moe_notes.md).
+# The hook below re-runs that skipped step inside the same processing, right after vLLM's own and
+# before vLLM copies the result into the kernel storage: exactly the layers a reload call processed
+# (never a layer left prepacked because another bucket held it), and an expert size the kernel pads
+# comes out right too (48 padded to 64: exact; re-running it on the live layer after the reload
+# call could not work there, the reload itself fails on the shapes).
+# On CUDA nothing is skipped that matters (read in vLLM 0.32's source): the unquantized backends'
+# experts (TritonExperts, BatchedTritonExperts, TrtLlmBf16Experts*) inherit
+# FusedMoEExperts.process_weights_after_loading, which is `pass`; FlashInferExperts' acts only on
+# nvfp4 scales; their layout conversion (convert_to_unquantized_kernel_format) runs on updates too.
+# There the hook only counts. Any other experts class or quant method, or the CPU prepack on a vLLM
+# other than the verified one (a fixed vLLM would then prepack twice), fails loudly at engine start.
+_MOE_REPREPACK_VERIFIED = ((0, 32),)  # vLLM (major, minor): verified by tests/distributed/test_moe_sync.py
+_MOE_REPREPACK = True  # read at every reload; tests switch it off to show the engine then diverges
+_MOD = "vllm.model_executor.layers.fused_moe."
+_EXPERTS_NOOP = _MOD + "modular_kernel.FusedMoEExperts.process_weights_after_loading"
+_EXPERTS_CPU = _MOD + "experts.cpu_moe.CPUUnquantizedExperts.process_weights_after_loading"
+_EXPERTS_FLASHINFER = _MOD + "experts.flashinfer_cutlass_moe.FlashInferExperts.process_weights_after_loading"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def _vllm_changed(what: str) -> str:
+    return (f"vLLM {_vllm_version()}: {what}. megappo's MoE weight sync was verified on vLLM "
+            f"{', '.join('%d.%d' % v for v in _MOE_REPREPACK_VERIFIED)} (megappo/rollout/engine.py, "
+            f"_install_moe_reload_hooks); re-check vLLM's reload of MoE layers and run "
+            f"tests/distributed/test_moe_sync.py before extending it")
+
+
+def _install_moe_reload_hooks(worker, is_moe: bool) -> list[tuple[str, bool]]:
+    """Runs on this rank's vLLM worker (in-process): wraps the quant method of every MoE layer so
+    that each reload's processing of the layer is counted and, for the CPU experts, followed by
+    their skipped prepack (see the comment above). Returns ``(layer name, re-prepacks)`` per layer.
+    ``is_moe``: the model's config has experts (then vLLM's MoE classes must be as verified)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+        from vllm.model_executor.utils import is_weights_pre_processed
+    except ImportError as e:
+        if not is_moe:
+            return []  # a dense model does not depend on them
+        raise RuntimeError(_vllm_changed(f"cannot import the MoE classes the weight sync relies on ({e})")) from e
+    if is_moe and not callable(getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)):
+        raise RuntimeError(_vllm_changed("UnquantizedFusedMoEMethod._setup_kernel, whose weight-update path the "
+                                         "workaround follows, is gone"))
+    m = re.match(r"(\d+)\.(\d+)", _vllm_version())
+    verified = bool(m) and (int(m.group(1)), int(m.group(2))) in _MOE_REPREPACK_VERIFIED
+    out = []
+    for name, layer in worker.model_runner.model.named_modules():
+        qm = getattr(layer, "quant_method", None)
+        if not isinstance(qm, FusedMoEMethodBase):
+            continue
+        if type(qm) is not UnquantizedFusedMoEMethod:
+            raise RuntimeError(_vllm_changed(f"MoE layer {name} uses quant method {type(qm).__qualname__}; the "
+                                             "weight sync is verified for UnquantizedFusedMoEMethod only"))
+        experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+        method = getattr(type(experts), "process_weights_after_loading", None)
+        if experts is None or method is None:
+            raise RuntimeError(_vllm_changed(f"MoE layer {name}: UnquantizedFusedMoEMethod.moe_kernel.fused_experts."
+                                             "process_weights_after_loading is missing"))
+        where = f"{method.__module__}.{method.__qualname__}"
+        if where == _EXPERTS_CPU:
+            if not verified:
+                raise RuntimeError(_vllm_changed(
+                    f"MoE layer {name} runs {type(experts).__qualname__}; on a weight reload the verified vLLM "
+                    "skips its prepack (CPUUnquantizedExperts.process_weights_after_loading, from "
+                    "UnquantizedFusedMoEMethod._setup_kernel) and megappo re-runs it, which a vLLM that no "
+                    "longer skips it would turn into a double prepack"))
+            reprepack = True
+        elif where == _EXPERTS_NOOP or (where == _EXPERTS_FLASHINFER
+                                        and getattr(experts.quant_config, "use_nvfp4_w4a4", None) is False):
+            reprepack = False
+        else:
+            raise RuntimeError(_vllm_changed(
+                f"MoE layer {name} runs experts {type(experts).__module__}.{type(experts).__qualname__} whose {where} "
+                "UnquantizedFusedMoEMethod._setup_kernel skips on weight updates; not verified"))
+        if not hasattr(qm, "megappo_processed"):  # once per layer
+            _wrap_moe_processing(qm, reprepack, is_weights_pre_processed)
+        out.append((name, reprepack))
+    return out
+
+
+def _wrap_moe_processing(qm, reprepack: bool, is_weights_pre_processed) -> None:
+    original = qm.process_weights_after_loading  # the bound method
+
+    def process_weights_after_loading(layer):
+        # vLLM's own condition for "weight update" (UnquantizedFusedMoEMethod._setup_kernel); weights
+        # arriving pre-processed (already in the kernel's format) are not set up at all
+        update = qm.moe_kernel is not None and not is_weights_pre_processed()
+        original(layer)
+        qm.megappo_processed += 1
+        if reprepack and update and _MOE_REPREPACK:
+            qm.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    qm.megappo_processed = 0
+    qm.process_weights_after_loading = process_weights_after_loading
+
+
+def _take_moe_process_counts(worker) -> dict:
+    """Runs on the worker: each MoE layer's count of reload processings since the last call; resets them."""
+    out = {}
+    for name, layer in worker.model_runner.model.named_modules():
+        qm = getattr(layer, "quant_method", None)
+        if hasattr(qm, "megappo_processed"):
+            out[name] = qm.megappo_processed
+            qm.megappo_processed = 0
+    return out
+
+
 def _job_unique_cpu_shm_names() -> None:
     """vLLM's CPU TP/PP communicator names its /dev/shm segments after the launch's init method
     (cpu_worker sets VLLM_DIST_IDENT from it); under the external launcher that is "env://" for
@@ -417,11 +581,12 @@ def _sampled_logprob(d, token: int) -> float:
     return float(next(iter(d.values())).logprob)
 
 
-def _model_facts(model_path: str) -> tuple[list[int], Optional[int], bool]:
-    """EOS ids (generation_config first, as transformers does), pad id and weight tying of a model folder."""
+def _model_facts(model_path: str) -> tuple[list[int], Optional[int], bool, bool]:
+    """EOS ids (generation_config first, as transformers does), pad id, weight tying and whether
+    the model has experts (Mixture-of-Experts), of a model folder."""
     import json
 
-    eos, pad, tied = None, None, False
+    eos, pad, tied, moe = None, None, False, False
     for fname in ("generation_config.json", "config.json"):
         p = os.path.join(model_path, fname)
         if os.path.isfile(p):
@@ -433,9 +598,10 @@ def _model_facts(model_path: str) -> tuple[list[int], Optional[int], bool]:
                 pad = d["pad_token_id"]
             if fname == "config.json":
                 tied = bool(d.get("tie_word_embeddings", False))
+                moe = any(d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     if eos is None:
         raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
-    return ([eos] if isinstance(eos, int) else list(eos)), pad, tied
+    return ([eos] if isinstance(eos, int) else list(eos)), pad, tied, moe
 
 
 def _with_tied_head(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,6 +18,8 @@ parameters are, copied in place), after one local relayout:
 Layers held by another pipeline stage travel as shards (a broadcast over the pipeline group of
 the same TP rank), so a rank receives 1/TP of what the general path sends.
 
+Mixture-of-Experts models always take the general path (see :func:`plan_shard_sync`).
+
 The plan is checked against the parameters the engine really has (names and shapes, from the
 engine), and agreed by every rank: vLLM's CPU backend repacks linear weights into oneDNN handles
 and leaves empty parameters, so on CPU the plan falls back to the general path unless that
@@ -90,6 +92,13 @@ def plan_shard_sync(desc: ModelDesc, coords: RankCoords, te: bool, engine_params
         return None, f"vLLM TP rank {engine_tp_rank} differs from megatron TP rank {coords.tp_rank}"
     if desc.value_head:
         return None, "a value model has no rollout engine"
+    if desc.num_experts:
+        # No rank holds its vLLM shard of an expert: vLLM stacks every expert of a layer in one
+        # w13/w2 parameter and cuts each expert's FFN dimension over its TP ranks, megatron keeps
+        # whole experts on their EP rank. And vLLM re-processes expert layers only on a
+        # checkpoint-format reload (the CPU experts' prepack, megappo.rollout.engine).
+        return None, ("a Mixture-of-Experts model: vLLM shards each expert over its TP ranks, megatron holds "
+                      "whole experts per EP rank")
     direct, gathered, nbytes = set(), [], 0
     for pm in param_maps(desc, te):
         want = tp_shard_shape(full_shape(pm, desc), pm, coords.tp)
