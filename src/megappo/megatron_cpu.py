@@ -183,6 +183,12 @@ def _install_streams() -> None:
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.default_stream = lambda device=None: stream
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    # The dispatcher's device-to-host stream is a class attribute made on first use from
+    # whatever torch.cuda.Stream is then; vLLM's CPU worker (imported later, when the engine
+    # starts) swaps in placeholders whose record_event returns None. Pin ours.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
 
 
 def _install_moe_splits() -> None:

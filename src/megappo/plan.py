@@ -74,7 +74,7 @@ def model_shape(hf: dict, name: str = "") -> ModelShape:
     """The numbers the planner needs from an HF config.json mapping."""
     arch = (hf.get("architectures") or [""])[0]
     heads = hf["num_attention_heads"]
-    experts = int(hf.get("num_experts") or 0)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)   # the latter: transformers 5's saved name
     return ModelShape(
         hidden=hf["hidden_size"], ffn=hf["intermediate_size"], layers=hf["num_hidden_layers"], heads=heads,
         groups=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,

@@ -155,3 +155,21 @@ def test_every_piece_has_its_case():
     from megappo import megatron_cpu
 
     assert sorted(OPS) == sorted(megatron_cpu.PIECES)
+
+
+def _after_vllm_worker(rank, world):
+    from megappo import megatron_cpu
+
+    megatron_cpu.install()
+    import torch
+
+    import vllm.v1.worker.cpu.shm  # noqa: F401  replaces torch.cuda.Stream/Event with placeholders
+    assert torch.cuda.Stream().record_event() is None       # what broke the dispatcher's sync
+    _moe_forward(1)
+
+
+def test_moe_dispatch_survives_vllms_cpu_stream_placeholders():
+    """The trainer starts vLLM (whose CPU worker swaps torch.cuda's streams for placeholders
+    returning no events) after installing the shim, then builds MoE models: the alltoall
+    dispatcher's device-to-host stream stays the shim's."""
+    spawn(_after_vllm_worker, 1)

@@ -416,7 +416,9 @@ def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
     import json
 
     try:
-        experts = int(json.loads(config_json.read_text()).get("num_experts") or 0)
+        raw = json.loads(config_json.read_text())
+        # transformers 5 saves Qwen3-MoE's num_experts under its attribute-map name
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     except (ValueError, OSError):
         return   # the model loader reports an unreadable config.json with its own error
     ep, k = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size, A + "megatron.expert_model_parallel_size"

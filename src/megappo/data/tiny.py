@@ -42,6 +42,8 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
     data_dir = os.path.join(out_dir, "data")
     paths = {"model": model_dir, "train": os.path.join(data_dir, "train.parquet"),
              "test": os.path.join(data_dir, "test.parquet")}
+    if arch not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"make_tiny_setup: unknown arch {arch!r}; expected qwen3 or qwen3_moe")
     if task not in ("echo", "words"):
         raise ValueError(f"make_tiny_setup: unknown task {task!r}; expected echo or words")
     if not os.path.isfile(paths["train"]):
@@ -55,11 +57,19 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
         from transformers import AutoModelForCausalLM, Qwen3Config
 
         tok = build_word_tokenizer(["echo", ":"] + list(ECHO_WORDS) if task == "echo" else WORDS_VOCAB)
-        cfg = Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                          rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        cfg.architectures = ["Qwen3ForCausalLM"]
+        shape = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        if arch == "qwen3_moe":   # Mixture-of-Experts: 4 experts, 2 per token; layer 0 dense
+            from transformers import Qwen3MoeConfig
+
+            cfg = Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1)
+            cfg.architectures = ["Qwen3MoeForCausalLM"]
+        else:
+            cfg = Qwen3Config(**shape)
+            cfg.architectures = ["Qwen3ForCausalLM"]
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.save_pretrained(model_dir, safe_serialization=True)
