@@ -9,6 +9,8 @@
 #   ACTOR_LR CRITIC_LR ROLLOUT_TP ROLLOUT_N ADV_ESTIMATOR TOTAL_EPOCHS SAVE_FREQ TEST_FREQ
 #   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP ACTOR_EP (Mixture-of-Experts: expert parallelism, all roles)   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
 #   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
+#   ROLLOUT_GPUS (split placement: that many GPUs of every node run vLLM, the rest train; with
+#   ROLLOUT_NNODES=m the rollout gets m nodes of its own instead)  ASYNC_MODE (sync | one_step_off)
 #   DRY_RUN=1 (print the resolved config, rank layout and memory plan; start nothing)
 #   GPU_MEMORY_GB (the plan's GPU size; default trainer.gpu_memory_gb, else the device's, else 80)  PYTHON
 set -euo pipefail
@@ -19,6 +21,17 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 : "${NNODES:=1}" "${NGPUS_PER_NODE:=8}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 : "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}" "${ACTOR_EP:=1}"
+: "${ROLLOUT_GPUS:=0}" "${ROLLOUT_NNODES:=0}" "${ASYNC_MODE:=sync}"
+# The split placement (ROLLOUT_GPUS / ROLLOUT_NNODES): one launcher starts every rank; the config
+# says which train (trainer.*) and which roll out (rollout.*). Colocated: all ranks do both.
+if (( ROLLOUT_NNODES > 0 )); then
+  TRAIN_NNODES=$NNODES TRAIN_GPUS_PER_NODE=$NGPUS_PER_NODE JOB_NNODES=$((NNODES + ROLLOUT_NNODES))
+  ROLLOUT_GPUS=$NGPUS_PER_NODE
+elif (( ROLLOUT_GPUS > 0 )); then
+  TRAIN_NNODES=$NNODES TRAIN_GPUS_PER_NODE=$((NGPUS_PER_NODE - ROLLOUT_GPUS)) JOB_NNODES=$NNODES ROLLOUT_NNODES=$NNODES
+else
+  TRAIN_NNODES=$NNODES TRAIN_GPUS_PER_NODE=$NGPUS_PER_NODE JOB_NNODES=$NNODES
+fi
 : "${CRITIC_TP:=$ACTOR_TP}" "${CRITIC_PP:=$ACTOR_PP}" "${CRITIC_MODEL_PATH:=$MODEL_PATH}"
 # megatron overlaps TP communication with compute only when kernels are issued in order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -30,18 +43,23 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 megappo_fail() { echo "megappo launch: $*" >&2; exit 2; }
 
 megappo_check_layout() {
-  local world=$((NNODES * NGPUS_PER_NODE))
   (( NNODES >= 1 && NGPUS_PER_NODE >= 1 )) || megappo_fail "NNODES=$NNODES and NGPUS_PER_NODE=$NGPUS_PER_NODE must be >= 1"
+  (( TRAIN_GPUS_PER_NODE >= 1 )) || megappo_fail \
+    "ROLLOUT_GPUS=$ROLLOUT_GPUS leaves no training GPU on a node of NGPUS_PER_NODE=$NGPUS_PER_NODE"
+  local world=$((TRAIN_NNODES * TRAIN_GPUS_PER_NODE)) rollout_per_node=$NGPUS_PER_NODE
+  local what="the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
+  if (( ROLLOUT_GPUS > 0 )); then
+    rollout_per_node=$ROLLOUT_GPUS
+    what="the training ranks $TRAIN_NNODES node(s) x $TRAIN_GPUS_PER_NODE = $world (NGPUS_PER_NODE=$NGPUS_PER_NODE, ROLLOUT_GPUS=$ROLLOUT_GPUS)"
+  fi
   (( world % (ACTOR_TP * ACTOR_PP) == 0 )) || megappo_fail \
-    "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
+    "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide $what"
   (( CRITIC_TP == ACTOR_TP && CRITIC_PP == ACTOR_PP )) || megappo_fail \
     "CRITIC_TP=$CRITIC_TP/CRITIC_PP=$CRITIC_PP must equal ACTOR_TP=$ACTOR_TP/ACTOR_PP=$ACTOR_PP (one megatron parallel state per process)"
   (( ACTOR_EP >= 1 && (world / ACTOR_PP) % ACTOR_EP == 0 )) || megappo_fail \
     "ACTOR_EP=$ACTOR_EP must divide the ranks of a pipeline stage: world $world / ACTOR_PP=$ACTOR_PP = $((world / ACTOR_PP))"
-  (( world % ROLLOUT_TP == 0 )) || megappo_fail \
-    "ROLLOUT_TP=$ROLLOUT_TP does not divide the world NNODES=$NNODES x NGPUS_PER_NODE=$NGPUS_PER_NODE = $world"
-  (( NGPUS_PER_NODE % ROLLOUT_TP == 0 )) || megappo_fail \
-    "ROLLOUT_TP=$ROLLOUT_TP must divide NGPUS_PER_NODE=$NGPUS_PER_NODE (a vLLM replica stays inside one node)"
+  (( rollout_per_node % ROLLOUT_TP == 0 )) || megappo_fail \
+    "ROLLOUT_TP=$ROLLOUT_TP does not divide the rollout GPUs per node ($rollout_per_node): a vLLM replica stays inside one node"
 }
 
 megappo_list() { local IFS=,; local a=($1); local IFS=,; echo "[${a[*]}]"; }
@@ -67,8 +85,11 @@ megappo_args() {
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$ACTOR_PP"
     actor_rollout_ref.actor.megatron.expert_model_parallel_size="$ACTOR_EP"
     critic.megatron.tensor_model_parallel_size="$CRITIC_TP" critic.megatron.pipeline_model_parallel_size="$CRITIC_PP"
-    trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NGPUS_PER_NODE"
+    trainer.nnodes="$TRAIN_NNODES" trainer.n_gpus_per_node="$TRAIN_GPUS_PER_NODE" trainer.async_mode="$ASYNC_MODE"
   )
+  if (( ROLLOUT_GPUS > 0 )); then
+    MEGAPPO_ARGS+=(actor_rollout_ref.hybrid_engine=False rollout.nnodes="$ROLLOUT_NNODES" rollout.n_gpus_per_node="$ROLLOUT_GPUS")
+  fi
 }
 
 megappo_launch() {
@@ -90,20 +111,20 @@ megappo_launch() {
       if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
         rdzv=(--rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-megappo}")
       fi
-      exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NGPUS_PER_NODE" "${rdzv[@]}" \
+      exec "$PYTHON" -m torch.distributed.run --nnodes "$JOB_NNODES" --nproc_per_node "$NGPUS_PER_NODE" "${rdzv[@]}" \
         -m megappo.train "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@" ;;
     ray)
-      exec "$PYTHON" -m megappo.launch.ray --nnodes "$NNODES" --nproc-per-node "$NGPUS_PER_NODE" -- \
+      exec "$PYTHON" -m megappo.launch.ray --nnodes "$JOB_NNODES" --nproc-per-node "$NGPUS_PER_NODE" -- \
         "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@" ;;
     slurm)
       [[ -n "${SLURM_JOB_ID:-}" ]] || megappo_fail "LAUNCHER=slurm runs inside an allocation: sbatch launch/slurm.sbatch <recipe>"
       # One torchrun per node; each learns its node rank from SLURM_NODEID at run time.
       local cmd
-      cmd="$(printf '%q ' "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NGPUS_PER_NODE" \
+      cmd="$(printf '%q ' "$PYTHON" -m torch.distributed.run --nnodes "$JOB_NNODES" --nproc_per_node "$NGPUS_PER_NODE" \
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")"
       cmd+='--node_rank "$SLURM_NODEID" '
       cmd+="$(printf '%q ' -m megappo.train "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@")"
-      exec srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
+      exec srun --nodes "$JOB_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
     *) megappo_fail "LAUNCHER=$LAUNCHER: expected torchrun, ray or slurm" ;;
   esac
 }

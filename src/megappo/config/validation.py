@@ -22,16 +22,32 @@ class ParallelLayout:
     dp: int
     rollout_tp: int
     rollout_dp: int
+    split: bool = False          # actor_rollout_ref.hybrid_engine=False: separate rollout ranks
+    train_world: int = 0         # ranks that train (the whole world when colocated)
+    rollout_world: int = 0       # ranks that roll out (the whole world when colocated)
+
+
+def split_worlds(cfg: PPOConfig) -> tuple[int, int]:
+    """(training ranks, rollout ranks) the config asks for; colocated: the same ranks do both."""
+    tr, ro = cfg.trainer, cfg.rollout
+    train = tr.nnodes * tr.n_gpus_per_node
+    return (train, ro.nnodes * ro.n_gpus_per_node) if not cfg.actor_rollout_ref.hybrid_engine else (train, train)
 
 
 def parallel_layout(cfg: PPOConfig, world_size: Optional[int] = None) -> ParallelLayout:
-    """The rank layout the config implies (DP derived from the world size)."""
+    """The rank layout the config implies (DP derived from the world size; ``world_size``: the
+    whole job's, rollout ranks included under the split placement)."""
     m = cfg.actor_rollout_ref.actor.megatron
-    world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    split = not cfg.actor_rollout_ref.hybrid_engine
+    train, rollout = split_worlds(cfg)
+    world = train + rollout if split else train
+    if world_size is not None:
+        train, world = (world_size - rollout, world_size) if split else (world_size, world_size)
+        rollout = rollout if split else world_size
     mp = max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
     rtp = max(1, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
     return ParallelLayout(world, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                          m.virtual_pipeline_model_parallel_size, world // mp, rtp, world // rtp)
+                          m.virtual_pipeline_model_parallel_size, train // mp, rtp, rollout // rtp, split, train, rollout)
 
 
 def _known(kind: str) -> list[str]:
@@ -90,7 +106,7 @@ def _sizes(cfg: PPOConfig, need: Need) -> None:
                 R + "val_kwargs.n", "critic.ppo_mini_batch_size", "critic.ppo_epochs",
                 "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
                 A + "megatron.tensor_model_parallel_size", A + "megatron.pipeline_model_parallel_size",
-                "algorithm.kl_ctrl.horizon"):
+                "algorithm.kl_ctrl.horizon", "rollout.nnodes", "rollout.n_gpus_per_node"):
         v = get(cfg, key)
         need(isinstance(v, int) and v >= 1, key, f"must be a positive integer, got {v!r}")
     for key in ("data.val_batch_size", "data.gen_batch_size", A + "ppo_micro_batch_size_per_gpu", R + "log_prob_micro_batch_size_per_gpu",
@@ -109,11 +125,22 @@ def _sizes(cfg: PPOConfig, need: Need) -> None:
 def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int]) -> Optional[int]:
     """The layout rules; returns the data-parallel size when the layout divides the world."""
     tr, m, ro = cfg.trainer, cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
-    world = tr.nnodes * tr.n_gpus_per_node
+    world = tr.nnodes * tr.n_gpus_per_node      # the training ranks (all ranks when colocated)
+    split, rn = not cfg.actor_rollout_ref.hybrid_engine, cfg.rollout
+    rworld = rn.nnodes * rn.n_gpus_per_node if split else world
     if world_size is not None:
-        need(world_size == world, "trainer.n_gpus_per_node",
-             f"trainer.nnodes x trainer.n_gpus_per_node = {tr.nnodes} x {tr.n_gpus_per_node} = {world}, "
-             f"but the launcher started WORLD_SIZE={world_size} processes")
+        extra = f" + rollout.nnodes x rollout.n_gpus_per_node = {rn.nnodes} x {rn.n_gpus_per_node}" if split else ""
+        need(world_size == world + (rworld if split else 0), "trainer.n_gpus_per_node",
+             f"trainer.nnodes x trainer.n_gpus_per_node = {tr.nnodes} x {tr.n_gpus_per_node}{extra} = "
+             f"{world + (rworld if split else 0)}, but the launcher started WORLD_SIZE={world_size} processes")
+    if split and rn.nnodes != tr.nnodes:
+        need(rn.n_gpus_per_node == tr.n_gpus_per_node, "rollout.n_gpus_per_node",
+             f"must equal trainer.n_gpus_per_node ({tr.n_gpus_per_node}) when the rollout has nodes of its own "
+             f"(rollout.nnodes {rn.nnodes} != trainer.nnodes {tr.nnodes}): one launcher starts as many ranks on every "
+             f"node; got {rn.n_gpus_per_node}")
+    need(cfg.trainer.async_mode != "one_step_off" or split, "trainer.async_mode",
+         "one_step_off needs the split placement (actor_rollout_ref.hybrid_engine=False, rollout.nnodes / "
+         "rollout.n_gpus_per_node): colocated ranks cannot generate while they train")
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     layout_ok = tp >= 1 and pp >= 1 and world >= 1
     if layout_ok:
@@ -143,7 +170,11 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
                  f"must equal {A}megatron.{name} ({getattr(m, name)}), got {getattr(other, name)}: the actor, "
                  "reference and critic share one megatron parallel state per process")
     rtp = ro.tensor_model_parallel_size
-    if rtp >= 1 and world >= 1:
+    if rtp >= 1 and split and rworld >= 1:
+        need(rworld % rtp == 0 and rn.n_gpus_per_node % rtp == 0, R + "tensor_model_parallel_size",
+             f"must divide rollout.n_gpus_per_node ({rn.n_gpus_per_node}): each vLLM replica's ranks stay inside one "
+             f"rollout node; got {rtp}")
+    elif rtp >= 1 and world >= 1:
         need(world % rtp == 0, R + "tensor_model_parallel_size",
              f"world size {world} must be divisible by the rollout TP size {rtp}")
         if tr.n_gpus_per_node >= 1 and tr.n_gpus_per_node % rtp != 0:
@@ -377,6 +408,9 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
     """A real start: files, model folders and the packages the chosen loggers need exist."""
     tr = cfg.trainer
+    need(cfg.actor_rollout_ref.hybrid_engine, "actor_rollout_ref.hybrid_engine",
+         "False (the split placement) is validated and laid out by --dry-run, but its training loop is not in this "
+         "version yet (issue 7/7); run colocated (True)")
     for key in ("data.train_files", "data.val_files"):
         for f in get(cfg, key):
             need(Path(os.path.expanduser(f)).is_file(), key, f"file not found: {f}")

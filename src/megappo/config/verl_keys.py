@@ -42,7 +42,6 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.ref.megatron.seed", lambda v: None),
     ("actor_rollout_ref.rollout.enable_chunked_prefill", _when(lambda v: not _truthy(v), "warn", "has no effect: vLLM's chunked prefill stays on")),
     ("actor_rollout_ref.rollout.mode", lambda v: None if v == "sync" else ("warn", "runs as sync: megappo generates each step's batch in one call to its colocated engines; single-turn samples are drawn the same way (agent loops are not supported)") if v == "async" else ("error", "must be sync or async")),
-    ("actor_rollout_ref.hybrid_engine", _when(lambda v: v is not True, "error", "must be True: megappo always colocates training and rollout (a split placement arrives with issue 7/7)")),
     ("model_engine", _when(lambda v: v != "megatron", "error", "must be megatron: megappo is Megatron-only")),
     ("actor_rollout_ref.actor.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("actor_rollout_ref.ref.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
