@@ -17,6 +17,13 @@ megatron-core 0.16.1 on the torch-Adam path (no apex/TE; GPU too) mishandles dis
 optimizer state on load: a fresh optimizer has no ``step`` state to load into, and the loaded
 state makes every parameter share ONE ``step`` tensor (Adam's bias correction then advances
 once per parameter per step). :func:`load_worker` creates the state first and un-shares ``step``.
+
+Mixture-of-Experts: with expert parallelism megatron chains two optimizers (dense parameters;
+expert parameters over the expert-data-parallel group), at EP1 it builds one. Optimizer tensors
+are therefore saved keyed by parameter only (no ``chained_N.`` prefix), and on load the
+optimizer's non-tensor state (param groups, Adam's step) is rebuilt for the live chain from the
+saved one, so a checkpoint loads at any TP/PP/EP. Expert weights are keyed by global expert
+index (megatron's SequentialMLP sharded state dict), MoE models' layers by layer index.
 """
 from __future__ import annotations
 
@@ -33,7 +40,12 @@ import torch.distributed as dist
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
            "CheckpointError"]
 
-_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# fully_reshardable: optimizer tensors keyed like the parameters' global tensors (any TP/PP/DP);
+# no chained_N. prefix: the chain of optimizers depends on the expert-parallel size.
+_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# Keys matching a live optimizer's param group to a saved one. megatron also keys on
+# is_expert_parallel, which is False for every group at EP1 and True for expert groups at EP > 1.
+_GROUP_ID = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +130,139 @@ def _unshare_adam_step(worker) -> None:
             state["step"] = state["step"].clone()
 
 
+def _optimizers(worker) -> list:
+    return list(getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]))
+
+
+class _Loaded:
+    """Marks where the request holds a tensor that the load fills in."""
+
+
+def _skeleton(tree):
+    """The request's structure: plain values kept, local-only values unwrapped, sharded leaves
+    marked (taken before the load, which rewrites the request in place)."""
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase,
+                                                          ShardedTensorFactory)
+
+    if isinstance(tree, (ShardedBase, ShardedTensorFactory)):
+        return _Loaded
+    if isinstance(tree, LocalNonpersistentObject):
+        return tree.unwrap()
+    if isinstance(tree, dict):
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_skeleton(v) for v in tree]
+    return tree
+
+
+def _fill(skel, loaded, where: str):
+    """The skeleton with each marked leaf replaced by what the load put at its place."""
+    if skel is _Loaded:
+        if loaded is None:
+            raise CheckpointError(f"{where} was not loaded")
+        return loaded
+    if isinstance(skel, dict):
+        return {k: _fill(v, loaded.get(k) if isinstance(loaded, dict) else None, f"{where}.{k}")
+                for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [_fill(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None, f"{where}[{i}]")
+                for i, v in enumerate(skel)]
+    return skel
+
+
+def _saved_optimizers(common) -> list:
+    """The saved optimizer(s)' non-tensor state: one per chained optimizer at save time."""
+    if isinstance(common, dict) and common and all(isinstance(k, int) for k in common):
+        return [common[k] for k in sorted(common)]
+    return [common]
+
+
+def _inner(opt_state: dict) -> dict:
+    """The torch optimizer's part of one optimizer's state (the distributed optimizer and the
+    fp16/bf16 one nest it under ``optimizer``)."""
+    return opt_state["optimizer"] if isinstance(opt_state.get("optimizer"), dict) else opt_state
+
+
+def _groups(opt_state: dict) -> list:
+    return _inner(opt_state).get("param_groups") or []
+
+
+def _common_step(opt_state: dict):
+    st = _inner(opt_state).get("state")
+    return st.get("common_step") if isinstance(st, dict) else None
+
+
+def _like(live, value: float):
+    """``value`` in the live value's type (a tensor, an int or a float step count)."""
+    if isinstance(live, torch.Tensor):
+        return torch.as_tensor(value, dtype=live.dtype, device=live.device)
+    return int(value) if isinstance(live, int) else float(value)
+
+
+def _saved_step(saved: list, path: str) -> float:
+    """Adam's step count of the saved optimizer(s) (the distributed optimizer keeps it in its
+    param groups, the others as ``common_step``); chained optimizers share it."""
+    steps = {float(g["step"]) for st in saved for g in _groups(st) if g.get("step") is not None}
+    steps |= {float(_common_step(st)) for st in saved if _common_step(st) is not None}
+    if len(steps) != 1:
+        raise CheckpointError(f"{path}: the optimizer state holds "
+                              f"{'no Adam step count' if not steps else f'different Adam step counts {sorted(steps)}'}")
+    return steps.pop()
+
+
+def _optimizer_state(worker, skeletons: list, loaded, common, path: str):
+    """The state dict ``worker.optimizer.load_state_dict`` takes, for the live chain of
+    optimizers: the tensors the load put at the live request's places, the saved param-group
+    settings (matched on the wd/lr multipliers), the saved step count and loss scaler."""
+    live = _optimizers(worker)
+    saved = _saved_optimizers(common)
+    step = _saved_step(saved, path)
+    saved_groups = {tuple(g.get(k) for k in _GROUP_ID): g for st in saved for g in _groups(st)}
+    out = []
+    for i, skel in enumerate(skeletons):
+        part = loaded if len(live) == 1 else (loaded or {}).get(i)
+        state = _fill(skel, part, f"{path}: optimizer state optimizer{'' if len(live) == 1 else f'.{i}'}")
+        for g in _groups(state):
+            old = saved_groups.get(tuple(g.get(k) for k in _GROUP_ID), {})
+            g.update({k: v for k, v in old.items() if k not in ("params", "is_expert_parallel", "step") and k in g})
+            if "step" in g:
+                g["step"] = _like(g["step"], step)
+        if _common_step(state) is not None:
+            _inner(state)["state"]["common_step"] = _like(_common_step(state), step)
+        if len(saved) == len(live) and "grad_scaler" in state and "grad_scaler" in saved[i]:
+            state["grad_scaler"] = saved[i]["grad_scaler"]
+        out.append(state)
+    return out[0] if len(live) == 1 else dict(enumerate(out))
+
+
+def _check_model_shapes(request: dict, path: str) -> None:
+    """Every model tensor the workers ask for is in the checkpoint with the same global shape;
+    else one CheckpointError naming the tensors (e.g. another num_experts or vocabulary)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read the checkpoint metadata: {type(e).__name__}: {e}") from e
+    problems, seen = [], set()
+    for sh in nested_values(request):
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or sh.key in seen or "_extra_state" in sh.key:
+            continue
+        seen.add(sh.key)
+        if sh.key not in saved:
+            problems.append(f"{sh.key} is missing from the checkpoint")
+        elif isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch:
+            have, want = tuple(saved[sh.key].global_shape), tuple(sh.global_shape)
+            if have != want:
+                problems.append(f"{sh.key} is {have} in the checkpoint, the model has {want}")
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{path}: the checkpoint does not match the model: " + "; ".join(problems[:3]) + more)
+
+
 def load_worker(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -125,8 +270,22 @@ def load_worker(worker, path: str) -> None:
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if worker.optimizer is not None:
         _ensure_optimizer_state(worker)
+    request = _sharded(worker, is_loading=True)
+    _check_model_shapes({k: request[k] for k in _model_keys(worker)}, path)
+    skeletons = common = None
+    if worker.optimizer is not None:
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot load: {type(e).__name__}: {e}") from e
+        if "optimizer" not in common:
+            raise CheckpointError(f"{path}: the checkpoint holds no optimizer state (model weights only); load it "
+                                  f"into a worker without an optimizer, or with "
+                                  f"megappo.convert.megatron_ckpt.load_model_weights")
+        opt = request["optimizer"]
+        skeletons = [_skeleton(opt)] if len(_optimizers(worker)) == 1 else [_skeleton(opt[i]) for i in sorted(opt)]
     try:
-        state = dist_checkpointing.load(_sharded(worker, is_loading=True), path)
+        state = dist_checkpointing.load(request, path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load: {type(e).__name__}: {e}") from e
     for key, chunk in zip(_model_keys(worker), worker.chunks):
@@ -137,9 +296,10 @@ def load_worker(worker, path: str) -> None:
             raise CheckpointError(f"{path}: the checkpoint lacks {len(missing)} model tensor(s) the model has: "
                                   f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if worker.optimizer is not None:
-        for opt in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+        for opt in _optimizers(worker):
             _tolerate_missing_step(opt)
-        worker.optimizer.load_state_dict(state["optimizer"])
+        worker.optimizer.load_state_dict(_optimizer_state(worker, skeletons, state.get("optimizer"),
+                                                          common["optimizer"], path))
         steps = {type(st.get("step")).__name__ for st in _inner_states(worker)}
         if "NoneType" in steps:
             raise CheckpointError(f"{path}: the optimizer state was loaded without Adam's step counts")

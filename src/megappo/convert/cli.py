@@ -64,16 +64,18 @@ def convert_from_hf_main(argv: Optional[list] = None) -> int:
     p.add_argument("--out", required=True, help="output checkpoint folder (must not exist, or be empty)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size it is meant for (vocabulary padding, checks)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size it is meant for (checks)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size it is meant for (Mixture-of-Experts models; checks)")
     p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="fp32", help="stored dtype (default fp32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    if a.tp < 1 or a.pp < 1:
-        p.error("--tp and --pp must be at least 1")
+    if a.tp < 1 or a.pp < 1 or a.ep < 1:
+        p.error("--tp, --pp and --ep must be at least 1")
 
     def body() -> int:
         from .hf_export import human, import_hf
 
-        r = import_hf(a.hf, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype, progress=not a.quiet)
+        r = import_hf(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype, progress=not a.quiet)
         print(f"wrote {r['out']}: {human(r['bytes'])} of model weights, {r['dtype']}, vocabulary padded to "
               f"{r['padded_vocab_size']}")
         return 0

@@ -34,7 +34,7 @@ AUX_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json"
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _CONFIG_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TOKEN_CLASSIFICATION = {"qwen3": "Qwen3ForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
-                         "llama": "LlamaForTokenClassification"}
+                         "llama": "LlamaForTokenClassification", "qwen3_moe": "Qwen3MoeForTokenClassification"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
 
@@ -264,12 +264,12 @@ def _errstr(e: BaseException) -> str:
 
 
 def import_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, ep: int = 1) -> dict:
     """Write the HF model folder ``hf_dir`` as a megatron checkpoint folder ``out``: model
     weights only (no optimizer or trainer state), the vocabulary padded for ``tp``, plus
     ``huggingface/`` (config, generation config, tokenizer) as the trainer's checkpoints carry.
-    ``tp``/``pp`` are checked against the model; the tensors themselves are stored whole and
-    dist_checkpointing cuts them for whatever layout loads them."""
+    ``tp``/``pp``/``ep`` are checked against the model; the tensors themselves are stored whole
+    (experts by global index) and dist_checkpointing cuts them for whatever layout loads them."""
     from megappo.checkpoint import copy_hf_files
     from megappo.convert.parallel import layers_per_chunk
     from megappo.models.hf import ModelConfigError, describe, load_hf_config
@@ -282,13 +282,18 @@ def import_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: Optional[s
         info = describe(cfg, tp=tp)
         desc = info.desc
         layers_per_chunk(desc.num_layers, pp, None)
+        if ep > 1 and not desc.num_experts:
+            raise ValueError(f"expert_model_parallel_size (--ep {ep}) needs a Mixture-of-Experts model")
+        if desc.num_experts and desc.num_experts % ep:
+            raise ValueError(f"num_experts ({desc.num_experts}) is not divisible by expert_model_parallel_size "
+                             f"(--ep {ep})")
     except (ModelConfigError, ValueError) as e:
         raise ConvertError(f"{hf_dir}: {e}") from e
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype: expected one of fp32, bf16, fp16, got {dtype!r}")
     dt = DTYPES[dtype] if dtype else torch.float32
     item = torch.empty((), dtype=dt).element_size()
-    need = sum(item * _numel(full_shape(pm, desc)) for pm in param_maps(desc, te=True)) + 1024 * 1024
+    need = sum(item * _numel(full_shape(pm, desc)) for pm in param_maps(desc, te=False)) + 1024 * 1024
     _check_space(out, need)
     final, tmp = _prepare_out(out)
     try:
@@ -296,7 +301,7 @@ def import_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: Optional[s
             total = save_from_hf(src, tmp, info, dtype=dt, progress=progress)
         copy_hf_files(src, os.path.join(tmp, "huggingface"))
         with open(os.path.join(tmp, "megappo_import.json"), "w") as f:
-            json.dump({"source": src, "tp": tp, "pp": pp, "padded_vocab_size": desc.padded_vocab_size,
+            json.dump({"source": src, "tp": tp, "pp": pp, "ep": ep, "padded_vocab_size": desc.padded_vocab_size,
                        "dtype": _CONFIG_DTYPE[dt], "contents": "model weights only"}, f, indent=2)
         _publish(tmp, final)
     except BaseException as e:

@@ -3,10 +3,15 @@
 A megappo worker checkpoint (``global_step_N/actor``, ``global_step_N/critic``) stores every
 model tensor under a layout-independent key: the decoder layers of one parameter are stacked
 along a leading layer axis (``decoder.layers.mlp.linear_fc1.weight``: (layers, 2F, hidden)),
-TP shards sit at their global offsets. Whatever TP/PP saved it, a single process can therefore
-request any piece at its full (TP=1) shape and dist_checkpointing re-assembles it from the
-shards: :func:`iter_hf_groups` reads one decoder layer at a time and turns it into HF tensors
-with the maps of :mod:`megappo.convert.names`. :func:`save_from_hf` writes such a folder from an
+TP shards sit at their global offsets. Mixture-of-Experts models mix dense and expert layers,
+which megatron keys one layer at a time (``decoder.layers.3.self_attention.linear_qkv.weight``);
+an MoE layer's experts share one key with a leading global-expert axis
+(``decoder.layers.3.mlp.experts.experts.linear_fc1.weight``: (experts, 2F, hidden)) whatever
+the expert-parallel size and expert implementation (SequentialMLP, TE's grouped GEMM) were.
+Whatever TP/PP/EP saved it, a single process can therefore request any piece at its full
+(TP=1) shape and dist_checkpointing re-assembles it from the shards: :func:`iter_hf_groups`
+reads one decoder layer at a time and turns it into HF tensors with the maps of
+:mod:`megappo.convert.names`. :func:`save_from_hf` writes such a folder from an
 HF model by building the model once at TP1PP1 and saving its sharded state dict, so the folder
 holds exactly the keys a trainer's model asks for.
 
@@ -28,7 +33,7 @@ from .names import ModelDesc, ParamMap, full_shape, param_maps, to_hf
 
 __all__ = ["ConvertError", "resolve_checkpoint", "checkpoint_tensors", "checkpoint_desc", "hf_config_dir",
            "iter_hf_groups", "save_from_hf", "load_model_weights", "single_process_group", "is_out_of_space",
-           "DTYPES", "quiet_warnings", "read_json", "ckpt_key", "layer_groups"]
+           "DTYPES", "quiet_warnings", "read_json", "ckpt_key", "layer_groups", "CheckpointKeys"]
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -37,6 +42,14 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _HIDDEN_STEP = re.compile(r"^\.[A-Za-z]+_global_step_\d+$")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _TE_PROBE = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+# an expert's parameter: SequentialMLP's local_experts.L.linear_fcK.weight, TE's linear_fcK.weightL
+_EXPERT_PARAM = re.compile(r"\.mlp\.experts\.(?:local_experts\.\d+\.linear_fc([12])\.weight"
+                           r"|linear_fc([12])\.weight\d+)$")
+# norms saved under the name of the linear TE fuses them into (the local spec's keys map does the
+# same), or under their own (TE's MoE layers: no linear_fc1 to fuse the pre-MLP norm into)
+_NORM_ALIASES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+                 ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
+_NORM_ALIASES.update({v: k for k, v in _NORM_ALIASES.items()})
 
 
 class ConvertError(RuntimeError):
@@ -137,34 +150,79 @@ def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return {k: (tuple(v.global_shape), v.dtype) for k, v in md.items() if not k.startswith("optimizer.")}
 
 
-def ckpt_key(pm: ParamMap) -> str:
-    """Checkpoint key of a parameter: layers lose their index (it becomes the leading axis)."""
-    m = _LAYER_KEY.match(pm.megatron)
-    return f"decoder.layers.{m.group(2)}" if m else pm.megatron
+def ckpt_key(pm: ParamMap, keys: Optional["CheckpointKeys"] = None) -> str:
+    """Checkpoint key of a parameter: layers lose their index (it becomes the leading axis),
+    unless ``keys`` says the checkpoint keys each layer; experts lose theirs (the leading axis)."""
+    return (keys or CheckpointKeys(())).key(pm)
+
+
+class CheckpointKeys:
+    """How a worker checkpoint keys the model's tensors (from the keys it holds)."""
+
+    def __init__(self, tensors):
+        self.keys = set(tensors)
+        # megatron keys each layer of a model whose layers differ (dense and MoE mixed)
+        self.per_layer = any(_LAYER_KEY.match(k) for k in self.keys)
+
+    def key(self, pm: ParamMap) -> str:
+        name = pm.megatron
+        if pm.expert is not None:
+            m = _EXPERT_PARAM.search(name)
+            name = f"{name[:m.start()]}.mlp.experts.experts.linear_fc{m.group(1) or m.group(2)}.weight"
+        if not self.per_layer:
+            m = _LAYER_KEY.match(name)
+            if m:
+                name = f"decoder.layers.{m.group(2)}"
+        if name not in self.keys:
+            for a, b in _NORM_ALIASES.items():
+                if name.endswith(a) and name[:-len(a)] + b in self.keys:
+                    return name[:-len(a)] + b
+        return name
+
+    def shape(self, pm: ParamMap, desc: ModelDesc) -> tuple[int, ...]:
+        """Global shape of the checkpoint tensor holding ``pm``: its full (TP=1) shape after a
+        layer axis (stacked layers) and an expert axis (experts)."""
+        lead = (desc.num_layers,) if pm.layer is not None and not self.per_layer else ()
+        return (*lead, *((desc.num_experts,) if pm.expert is not None else ()), *full_shape(pm, desc))
+
+    def request(self, pm: ParamMap, desc: ModelDesc, dtype: torch.dtype):
+        """A ShardedTensor asking for ``pm``'s full tensor: a (1, ..., 1, *shape) piece at its
+        layer's and expert's offsets of the saved tensor."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        # (megatron's own prepend_axis form takes torch's legacy sharded-tensor path, which needs
+        # every layer on some rank)
+        offsets = []
+        if pm.layer is not None and not self.per_layer:
+            offsets.append((len(offsets), pm.layer, desc.num_layers))
+        if pm.expert is not None:
+            offsets.append((len(offsets), pm.expert, desc.num_experts))
+        data = torch.empty((1,) * len(offsets) + tuple(full_shape(pm, desc)), dtype=dtype)
+        return ShardedTensor.from_rank_offsets(self.key(pm), data, *offsets, replica_id=0)
 
 
 def checkpoint_desc(path: str, tensors: dict, hf_config, config_path: str, value_head: bool) -> tuple[ModelDesc, bool]:
     """Describe the checkpoint with the HF config and check every tensor shape against it.
-    Returns the description (its padded vocabulary as saved) and whether names are TE-style."""
+    Returns the description (its padded vocabulary as saved) and whether names are TE-style
+    (MoE models: the local spec's names; their keys are the same for both specs)."""
     from megappo.models.hf import ModelConfigError, describe
 
     try:
         desc = describe(hf_config, tp=1, value_head=value_head).desc
     except ModelConfigError as e:
         raise ConvertError(f"{config_path}: {e}") from e
-    te = _TE_PROBE in tensors or "decoder.layers.input_layernorm.weight" not in tensors
+    keys = CheckpointKeys(tensors)
+    te = not desc.num_experts and (_TE_PROBE in tensors or "decoder.layers.input_layernorm.weight" not in tensors)
     emb = tensors.get("embedding.word_embeddings.weight")
     if emb is not None and len(emb[0]) == 2 and emb[0][0] >= desc.vocab_size:
         desc = dataclasses.replace(desc, padded_vocab_size=emb[0][0])
     problems, expected = [], set()
     for pm in param_maps(desc, te):
-        key = ckpt_key(pm)
+        key = keys.key(pm)
         if key in expected:
             continue
         expected.add(key)
-        want = full_shape(pm, desc)
-        if pm.layer is not None:
-            want = (desc.num_layers, *want)
+        want = keys.shape(pm, desc)
         if key not in tensors:
             problems.append(f"{key} is missing from the checkpoint (the config expects shape {want})")
         elif tuple(tensors[key][0]) != tuple(want):
@@ -212,18 +270,6 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-def _request(pm: ParamMap, desc: ModelDesc, dtype: torch.dtype):
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    shape = full_shape(pm, desc)
-    if pm.layer is None:
-        return ShardedTensor.from_rank_offsets(ckpt_key(pm), torch.empty(shape, dtype=dtype), replica_id=0)
-    # A (1, ...) piece at the layer's offset of the stacked tensor. (megatron's own prepend_axis
-    # form takes torch's legacy sharded-tensor path, which needs every layer on some rank.)
-    return ShardedTensor.from_rank_offsets(ckpt_key(pm), torch.empty((1, *shape), dtype=dtype),
-                                           (0, pm.layer, desc.num_layers), replica_id=0)
-
-
 def iter_hf_groups(path: str, desc: ModelDesc, te: bool, tensors: dict,
                    dtype: Optional[torch.dtype] = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield the HF tensors of the checkpoint, one group (embedding, a decoder layer, the final
@@ -231,20 +277,19 @@ def iter_hf_groups(path: str, desc: ModelDesc, te: bool, tensors: dict,
     Call inside :func:`single_process_group`."""
     from megatron.core import dist_checkpointing
 
+    keys = CheckpointKeys(tensors)
     for group in layer_groups(desc, te):
-        request = {pm.megatron: _request(pm, desc, tensors[ckpt_key(pm)][1]) for pm in group}
+        request = {pm.megatron: keys.request(pm, desc, tensors[keys.key(pm)][1]) for pm in group}
         with quiet_warnings():
             try:
                 state = dist_checkpointing.load(request, path, validate_access_integrity=False)
             except Exception as e:
-                raise ConvertError(f"{path}: cannot read {', '.join(sorted({ckpt_key(pm) for pm in group}))}"
+                raise ConvertError(f"{path}: cannot read {', '.join(sorted({keys.key(pm) for pm in group}))}"
                                    f"{'' if group[0].layer is None else f' (layer {group[0].layer})'}: "
                                    f"{_one_line(e)}") from e
         out = []
         for pm in group:
-            full = state[pm.megatron]
-            if pm.layer is not None:
-                full = full[0]
+            full = state[pm.megatron].reshape(full_shape(pm, desc))
             for name, t in to_hf(pm, full, desc).items():
                 out.append((name, (t if dtype is None else t.to(dtype)).contiguous()))
         del state, request
