@@ -102,6 +102,13 @@ def test_te_grouped_expert_names_map_to_global_experts():
         "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].hf == (
         "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
     assert te["decoder.layers.1.mlp.experts.linear_fc2.weight0"].expert == 0
+    from megappo.convert.names import full_shape, hf_shapes
+
+    for name in ("decoder.layers.1.mlp.experts.linear_fc2.weight2", "decoder.layers.1.mlp.experts.linear_fc1.weight2"):
+        assert full_shape(te[name], desc) == full_shape(local[name.replace("experts.", "experts.local_experts.2.")
+                                                         .replace("weight2", "weight")], desc)
+        assert hf_shapes(te[name], desc) == hf_shapes(local[name.replace("experts.", "experts.local_experts.2.")
+                                                          .replace("weight2", "weight")], desc)
     assert te["decoder.layers.1.pre_mlp_layernorm.weight"].hf == ("model.layers.1.post_attention_layernorm.weight",)
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te      # the dense layer fuses it
     assert len(te) == len(local)

@@ -116,8 +116,8 @@ def full_shape(pm: ParamMap, desc: ModelDesc) -> tuple[int, ...]:
         return (2 * ffn, d.hidden_size)
     if name.endswith("linear_proj.weight"):
         return (d.hidden_size, d.num_heads * d.head_dim)
-    if name.endswith("linear_fc2.weight"):
-        return (d.hidden_size, ffn)
+    if name.endswith("linear_fc2.weight") or (pm.expert is not None and ".linear_fc2.weight" in name):
+        return (d.hidden_size, ffn)        # the latter: TE's grouped experts (linear_fc2.weight{E})
     if name.endswith("mlp.router.weight"):
         return (d.num_experts, d.hidden_size)
     if "q_layernorm" in name or "k_layernorm" in name:
