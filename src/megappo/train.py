@@ -94,10 +94,12 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     if "RANK" not in os.environ:  # no launcher
-        world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        world = parallel_layout(cfg).world_size
         if world != 1:
             print(f"megappo: this configuration runs {world} processes (trainer.nnodes x trainer.n_gpus_per_node = "
-                  f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}); start it with a launcher: "
+                  f"{cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}"
+                  f"{'' if cfg.actor_rollout_ref.hybrid_engine else ', plus the rollout ranks of the split placement'}); "
+                  "start it with a launcher: "
                   f"torchrun --nproc_per_node {cfg.trainer.n_gpus_per_node} -m megappo.train ..., or launch/*.sh",
                   file=sys.stderr)
             return 2
@@ -106,7 +108,15 @@ def main(argv=None) -> int:
 
     try:
         init_distributed(cfg)
-        PPOTrainer(cfg).fit()
+        from megappo.distributed import split
+
+        groups = split.current()
+        if groups is not None and groups.role == "rollout":   # the split placement's rollout ranks
+            from megappo.rollout.remote import serve
+
+            serve(cfg, groups)
+        else:
+            PPOTrainer(cfg).fit()
     except BaseException as e:
         # One line naming the rank before the traceback: with hundreds of ranks, the first
         # failure is the one to read (torchrun's summary and the Ray launcher point at it).

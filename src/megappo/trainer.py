@@ -29,11 +29,23 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
         from megappo import device_check, megatron_cpu
 
         megatron_cpu.install(check_devices=device_check.enabled_by_env())
-    if not dist.is_initialized():
-        backend = "gloo" if cfg.trainer.device == "cpu" else "nccl"
+    backend = "gloo" if cfg.trainer.device == "cpu" else "nccl"
+    timeout = datetime.timedelta(seconds=cfg.trainer.dist_timeout_s)
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        # split placement: each role gets its own default group (megatron sees the training ranks,
+        # vLLM the rollout ranks) and the bridge between them; rollout ranks need no megatron
+        from megappo.distributed import split
+
+        tr, ro = cfg.trainer, cfg.rollout
+        groups = split.init_split(split.train_ranks_of(tr.nnodes, tr.n_gpus_per_node, ro.nnodes, ro.n_gpus_per_node),
+                                  backend, timeout)
+        split.set_current(groups)
+        if groups.role == "rollout":
+            return process_device(cfg.trainer.device)
+    elif not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
     from megappo.models import initialize_parallel
 
     m = cfg.actor_rollout_ref.actor.megatron
@@ -71,7 +83,12 @@ class PPOTrainer:
         self.batching = PassBatching.from_config(cfg)
         self.policy_loss, self.value_loss = builders.loss_specs(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.layout = parallel_layout(cfg, self.world)
+        from megappo.distributed import split
+
+        # split placement: the rollout ranks (megappo.rollout.remote.serve) generate; this rank trains
+        self.split = split.current()
+        self.one_step_off = tr.async_mode == "one_step_off"
+        self.layout = parallel_layout(cfg, self.split.global_world if self.split else self.world)
         # Host-side collectives over DP (advantages, KL controller, metrics) carry CPU tensors of
         # the batch the trainer keeps on the host: they use megatron's gloo DP group.
         self.dp_group = host_dp_group()
@@ -88,7 +105,12 @@ class PPOTrainer:
         self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
         self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
         total = self.total_steps()
-        self.engine = builders.build_engine(cfg)   # first: see megappo.builders
+        if self.split:
+            from megappo.rollout.remote import RemoteRollout
+
+            self.engine = RemoteRollout(self.split, self.pad_id)
+        else:
+            self.engine = builders.build_engine(cfg)   # first: see megappo.builders
         self.info, self.actor = builders.build_actor(cfg, self.device, self.pad_id, total)
         self.ref = builders.build_reference(cfg, self.device, self.pad_id)
         self.critic = builders.build_critic(cfg, self.device, self.pad_id, total)
@@ -99,6 +121,9 @@ class PPOTrainer:
         self.sampler = PromptSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
                                      seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
+        self._lag = 0
+        self._last_step = self.total_steps()   # fit() sets the run's last step
+        self.inflight = None   # one-step off-policy: the next step's generation (items, outputs, policy version)
         self.timer = Timer()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=total, project=tr.project_name, experiment=tr.experiment_name,
@@ -121,7 +146,7 @@ class PPOTrainer:
         per_epoch = n // (self.cfg.data.gen_batch_size or self.cfg.data.train_batch_size)
         return max(1, per_epoch * self.cfg.trainer.total_epochs)
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self, version: Optional[int] = None) -> dict:
         """The actor's weights into the engine (which wakes first). Every role's offloadable state
         leaves the device around it: the others' before the engine wakes, the actor's weights
         after they were streamed."""
@@ -137,7 +162,7 @@ class PPOTrainer:
         coords = RankCoords.from_megatron()
         if not hasattr(self, "_shard_plan"):  # decided once, by all ranks together
             self._shard_plan = (plan_for_engine(self.engine, self.actor.chunks, self.info.desc, coords)
-                                if self.cfg.actor_rollout_ref.rollout.shard_sync else None)
+                                if self.cfg.actor_rollout_ref.rollout.shard_sync and not self.split else None)
         if self._shard_plan is not None:
             named = iter_sync_tensors(self.actor.chunks, self.info.desc, coords, self._shard_plan,
                                       uses_te(self.actor.chunks))
@@ -145,7 +170,13 @@ class PPOTrainer:
             if not hasattr(self, "_shared_gather"):  # CPU ranks of one host: gather through shared memory
                 self._shared_gather = plan_shared_gather(self.actor.chunks, self.info.desc, coords)
             named = iter_hf_tensors(self.actor.chunks, self.info.desc, coords, shared=self._shared_gather)
-        out = self.engine.sync_weights(named)
+        if self.split:
+            if self.engine.pending is not None:   # one-step off: the next batch, made with the previous weights
+                self._collect_inflight()
+            # the policy's version: the updates it has had (the step's sync runs before step_no advances)
+            out = self.engine.sync_weights(named, policy_version=self.step_no if version is None else version)
+        else:
+            out = self.engine.sync_weights(named)
         self.actor.offload()
         return out
 
@@ -154,15 +185,28 @@ class PPOTrainer:
         Each prompt samples from its own seed, a function of (seed, step, salt, position in the
         batch): the samples do not depend on how prompts are split over replicas, and a resumed
         run draws exactly what the uninterrupted one drew."""
+        if self.split:   # the rollout ranks generate (each replica its slice, seeded the same way)
+            return self._assemble(items, self.engine.generate([it.prompt_ids for it in items],
+                                                              self._sampling(sampling, salt, offset)))
         from megappo.rollout import gather_outputs, prompt_slice, rollout_replica
 
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         replica, n_rep = rollout_replica(self.rank, self.world, rtp)
         sl = prompt_slice(len(items), replica, n_rep)
-        base = (self.cfg.data.seed * 1_000_003 + self.step_no * 4_000_037 + salt * 7_919_003) % (1 << 40)
-        sampling.seed = base + (offset + sl.start) * sampling.n  # offset: the items' place in a larger set
+        sampling = self._sampling(sampling, salt, offset + sl.start)
         local = self.engine.generate([it.prompt_ids for it in items[sl]], sampling)
-        out = gather_outputs(local, sl.start, rtp, self.engine.pad_token_id)
+        return self._assemble(items, gather_outputs(local, sl.start, rtp, self.engine.pad_token_id))
+
+    def _sampling(self, sampling, salt: int, first: int, step: Optional[int] = None):
+        """``sampling`` seeded for a batch whose first prompt has index ``first`` (in the step's or
+        the validation set's order) at trainer step ``step`` (default: the current one)."""
+        step = self.step_no if step is None else step
+        base = (self.cfg.data.seed * 1_000_003 + step * 4_000_037 + salt * 7_919_003) % (1 << 40)
+        sampling.seed = base + first * sampling.n
+        return sampling
+
+    def _assemble(self, items, out) -> tuple[RolloutBatch, list]:
+        """The RolloutBatch of gathered engine outputs (prompt order) and their items."""
         prompts = [items[i].prompt_ids for i in out.prompt_index.tolist()]
         batch = RolloutBatch.from_prompts_and_responses(prompts, out.responses, out.response_mask, self.pad_id,
                                                         prompt_index=out.prompt_index,
@@ -256,7 +300,7 @@ class PPOTrainer:
                 with t("update_actor"):
                     metrics.update(self._update_actor(local_batch))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
-                self.sync_weights()
+                self.sync_weights(version=self.step_no + 1)
         self.step_no += 1
         metrics = self._step_metrics(metrics, global_batch, local_batch)
         if log:
@@ -271,9 +315,18 @@ class PPOTrainer:
         fg = self.cfg.algorithm.filter_groups
         self._reward_metrics = {}
         if not fg.enable:
-            items = [self.train_data[i] for i in self.sampler.next_batch()]
-            with self.timer("gen"):
-                global_batch, global_items = self.rollout(items, sampling)
+            if self.inflight is not None:   # one-step off: generated during the last step, with the weights before it
+                indices, out, version = self.inflight
+                self.inflight = None
+                global_batch, global_items = self._assemble([self.train_data[i] for i in indices], out)
+                self._lag = self.step_no - version
+            else:
+                items = [self.train_data[i] for i in self.sampler.next_batch()]
+                with self.timer("gen"):
+                    global_batch, global_items = self.rollout(items, sampling)
+                self._lag = 0
+            if self.one_step_off and self.step_no + 1 < self._last_step:
+                self._request_next(sampling)
             self.engine.sleep()
             self._score(global_batch, global_items)
             return global_batch, global_items
@@ -309,6 +362,21 @@ class PPOTrainer:
         self._reward_metrics.update({"train/num_gen_batches": float(rounds), "train/kept_prompt_fraction": n_kept / n_prompts,
                                      "train/generated_score_mean": float(torch.cat(generated_scores).mean())})
         return RolloutBatch.concat(kept, self.pad_id), kept_items
+
+    def _request_next(self, sampling) -> None:
+        """One-step off-policy: the rollout ranks start generating the next step's prompts (with
+        the weights they hold, this step's policy's predecessor) while this step trains; the
+        samples are seeded as the next step would seed them."""
+        import copy
+
+        indices = self.sampler.next_batch()
+        self._next_indices = indices
+        self.engine.request([self.train_data[i].prompt_ids for i in indices],
+                            self._sampling(copy.copy(sampling), 0, 0, step=self.step_no + 1))
+
+    def _collect_inflight(self) -> None:
+        out, version = self.engine.collect()
+        self.inflight = (self._next_indices, out, version)
 
     def _score(self, global_batch: RolloutBatch, global_items: list) -> dict:
         """Score every sample: the rule/custom function on the whole global batch, or the reward
@@ -444,7 +512,9 @@ class PPOTrainer:
                         or k in ("critic/vf_explained_var", "critic/advantages_returns_corr")})
         metrics.update(self.timer.pop())
         tokens = float(global_batch.response_mask.sum() + global_batch.prompt_lengths.sum())
-        metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.world
+        metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / self.layout.world_size  # per rank of the job
+        if self.split:   # steps between the policy that generated this batch and the one it trains
+            metrics["training/weight_version_lag"] = float(self._lag)
         metrics["perf/max_memory_allocated_gb"] = _max_memory_gb(cfg.trainer.device)
         # Prompts dropped at load time for exceeding data.max_prompt_length (filter_overlong_prompts).
         metrics["data/filtered_overlong_prompts"] = float(self.train_data.num_filtered)
@@ -517,7 +587,8 @@ class PPOTrainer:
         if self.critic is not None:
             hf["critic"] = os.path.expanduser(self.cfg.critic.model.path)
         return save_checkpoint(root, self.step_no, self._workers(), self.trainer_state(),
-                               max_to_keep=keep, per_rank_state=_rng_state(), hf_sources=hf)
+                               max_to_keep=keep, per_rank_state={**_rng_state(), "inflight": self.inflight},
+                               hf_sources=hf)
 
     def resume(self) -> Optional[str]:
         """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""
@@ -545,6 +616,11 @@ class PPOTrainer:
         self.step_no = int(state["step"])
         if rank_state is not None and state.get("world_size") == self.world:
             _set_rng_state(rank_state)
+        if self.one_step_off:
+            # the generation in flight at the save (the next step's batch) was stored with it:
+            # the resumed run trains on exactly what the uninterrupted one trained on
+            rank0 = os.path.join(path, "rank_state", "rank_0.pt")
+            self.inflight = torch.load(rank0, weights_only=False).get("inflight") if os.path.isfile(rank0) else None
         self.logger.truncate_after(self.step_no)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step_no}", flush=True)
@@ -555,6 +631,7 @@ class PPOTrainer:
         steps and at the end, checkpoint every ``save_freq`` steps and at the end."""
         tr = self.cfg.trainer
         total = self.total_steps() if steps is None else self.step_no + steps
+        self._last_step = total
         history = []
         if self.step_no == 0 and tr.val_before_train and self.val_data is not None:
             val = self.validate()
@@ -572,6 +649,8 @@ class PPOTrainer:
                 metrics.update(self.timer.pop())
             self.logger.log(self.step_no, metrics)
             history.append(metrics)
+        if self.split:
+            self.engine.stop()
         self.logger.close()
         return history
 

@@ -59,3 +59,12 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
     figures = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(figures) == {"words_grpo_samples_to_target", "words_grpo_seconds_to_target", "words_grpo_score_at_budget"}
     assert 0.0 <= figures["words_grpo_score_at_budget"] <= 1.0
+
+
+@pytest.mark.e2e
+def test_async_benchmark_quick_ends_with_json():
+    """benchmarks/async.py --quick: one-step-off on a training core and a rollout core (torchrun,
+    the split placement's rank entry): its figures parsed, the lag one behind after step 1."""
+    figures = quick_figures("async.py", 600)["one_step_off"]
+    assert figures["step_s"] > 0 and figures["tokens_per_s"] > 0
+    assert figures["lag"] == [0.0, 1.0, 1.0]

@@ -386,8 +386,9 @@ RULES = [
     (["trainer.async_mode=one_step_off"], {}, "trainer.async_mode", "one_step_off needs the split placement"),
     (["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=3", R + "tensor_model_parallel_size=2"], {},
      R + "tensor_model_parallel_size", "must divide rollout.n_gpus_per_node (3): each vLLM replica's ranks stay inside"),
-    (GOOD_PATHS + ["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2"], PATHS,
-     "actor_rollout_ref.hybrid_engine", "its training loop is not in this version yet (issue 7/7)"),
+    (["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2", "trainer.async_mode=one_step_off",
+      "algorithm.filter_groups.enable=true", "data.gen_batch_size=8"], {},
+     "trainer.async_mode", "one_step_off does not combine with dynamic sampling"),
     # -- expert parallelism (Mixture-of-Experts) --------------------------------------------------
     ([A + "megatron.expert_model_parallel_size=0"], {}, A + "megatron.expert_model_parallel_size", "must be >= 1, got 0"),
     ([A + "megatron.expert_model_parallel_size=4", A + "megatron.pipeline_model_parallel_size=2",

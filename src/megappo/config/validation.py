@@ -141,6 +141,9 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
     need(cfg.trainer.async_mode != "one_step_off" or split, "trainer.async_mode",
          "one_step_off needs the split placement (actor_rollout_ref.hybrid_engine=False, rollout.nnodes / "
          "rollout.n_gpus_per_node): colocated ranks cannot generate while they train")
+    need(cfg.trainer.async_mode != "one_step_off" or not cfg.algorithm.filter_groups.enable, "trainer.async_mode",
+         "one_step_off does not combine with dynamic sampling (algorithm.filter_groups.enable) yet: its extra "
+         "generation rounds would wait for the update")
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     layout_ok = tp >= 1 and pp >= 1 and world >= 1
     if layout_ok:
@@ -408,9 +411,6 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
     """A real start: files, model folders and the packages the chosen loggers need exist."""
     tr = cfg.trainer
-    need(cfg.actor_rollout_ref.hybrid_engine, "actor_rollout_ref.hybrid_engine",
-         "False (the split placement) is validated and laid out by --dry-run, but its training loop is not in this "
-         "version yet (issue 7/7); run colocated (True)")
     for key in ("data.train_files", "data.val_files"):
         for f in get(cfg, key):
             need(Path(os.path.expanduser(f)).is_file(), key, f"file not found: {f}")

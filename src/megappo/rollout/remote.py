@@ -1,0 +1,131 @@
+"""The split placement's rollout: the rollout ranks serve generation and weight loads; the training
+ranks hold a :class:`RemoteRollout` in place of a local engine.
+
+Protocol (over :mod:`megappo.distributed.split`'s bridge; global rank 0 speaks for the training
+ranks): every request is a command the rollout ranks execute in order. GENERATE carries the
+prompts and sampling settings; each replica generates its slice of the prompts (the seed of every
+prompt is a function of its place in the batch, as in the colocated rollout: the samples do not
+depend on the number of replicas), the outputs are gathered over the rollout group and the first
+rollout rank sends them back. WEIGHTS is followed by one versioned weight transfer. STOP ends the
+service. The training side may leave one generation in flight (one-step off-policy): it must be
+collected before the next command, since the bridge's messages are matched in order.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from .engine import RolloutOutput, SamplingConfig
+
+__all__ = ["RemoteRollout", "serve"]
+
+GENERATE, WEIGHTS, STOP, RESET_PREFIX_CACHE = 1, 2, 3, 4
+
+
+class RemoteRollout:
+    """What the trainer asks of its engine, done by the rollout ranks. Every training rank calls
+    every method (weight gathers are collective over them; every rank gets the outputs)."""
+
+    def __init__(self, groups, pad_token_id: int):
+        self.groups = groups
+        self.pad_token_id = pad_token_id
+        self.asleep = False                  # the rollout ranks' engines never sleep
+        self.transfers = 0                   # weight transfers sent (the bridge's version numbers)
+        self.policy_version: Optional[int] = None   # trainer step whose weights the rollout ranks hold
+        self.pending: Optional[int] = None   # policy version of a requested, uncollected generation
+
+    def sleep(self) -> None:
+        pass
+
+    def sync_weights(self, named, policy_version: int) -> dict:
+        """The actor's full HF tensors (every training rank iterates its own ``named``) to the
+        rollout ranks, as the weights of trainer step ``policy_version``."""
+        from megappo.distributed.split import send_command, send_weights
+
+        self._idle("send weights")
+        self.transfers += 1
+        if self.groups.is_sender:
+            send_command(self.groups, WEIGHTS, self.transfers)
+        out = send_weights(self.groups, named, self.transfers)
+        self.policy_version = policy_version
+        return out
+
+    def request(self, prompts: list, sampling: SamplingConfig) -> None:
+        """Start generating (``sampling.seed``: the seed of the batch's first prompt); collect()
+        returns the outputs. The rollout ranks use the last weights sent."""
+        from megappo.distributed.split import send_command
+
+        self._idle("request a generation")
+        if self.policy_version is None:
+            raise RuntimeError("RemoteRollout: no weights were sent to the rollout ranks yet")
+        if self.groups.is_sender:
+            send_command(self.groups, GENERATE, {"prompts": [list(map(int, p)) for p in prompts],
+                                                 "sampling": copy.copy(sampling)})
+        self.pending = self.policy_version
+
+    def collect(self) -> tuple[RolloutOutput, int]:
+        """(outputs of the requested generation in prompt order, the policy version that made them)."""
+        from megappo.distributed.split import receive_object
+
+        if self.pending is None:
+            raise RuntimeError("RemoteRollout.collect: no generation was requested")
+        out = receive_object(self.groups)
+        version, self.pending = self.pending, None
+        return out, version
+
+    def generate(self, prompts: list, sampling: SamplingConfig) -> RolloutOutput:
+        self.request(prompts, sampling)
+        return self.collect()[0]
+
+    def reset_prefix_cache(self) -> None:
+        from megappo.distributed.split import send_command
+
+        self._idle("reset the prefix cache")
+        if self.groups.is_sender:
+            send_command(self.groups, RESET_PREFIX_CACHE)
+
+    def stop(self) -> None:
+        from megappo.distributed.split import send_command
+
+        self._idle("stop the rollout ranks")
+        if self.groups.is_sender:
+            send_command(self.groups, STOP)
+
+    def _idle(self, what: str) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"RemoteRollout: cannot {what} while a generation is in flight (collect it first: "
+                               "the bridge's messages are matched in order)")
+
+
+def serve(cfg, groups) -> None:
+    """The rollout ranks' program: one engine per rank (replicas of rollout TP ranks over the
+    rollout group), commands executed until STOP."""
+    from megappo import builders
+    from megappo.distributed.split import receive_command, receive_weights, send_object
+
+    from .replicas import gather_outputs, prompt_slice, rollout_replica
+
+    engine = builders.build_engine(cfg)
+    rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    replica, n_rep = rollout_replica(groups.role_rank, groups.role_world, rtp)
+    version = None
+    while True:
+        op, obj = receive_command(groups)
+        if op == WEIGHTS:
+            version, buckets = receive_weights(groups, expected_version=obj)
+            engine.sync_weights(p for b in buckets for p in b)
+        elif op == GENERATE:
+            prompts, sampling = obj["prompts"], obj["sampling"]
+            sl = prompt_slice(len(prompts), replica, n_rep)
+            sampling.seed += sl.start * sampling.n   # each prompt's seed: its place in the whole batch
+            local = engine.generate(prompts[sl], sampling)
+            out = gather_outputs(local, sl.start, rtp, engine.pad_token_id)
+            if groups.bridge_rank == 1:
+                send_object(groups, out)
+        elif op == RESET_PREFIX_CACHE:
+            engine.reset_prefix_cache()
+        elif op == STOP:
+            engine.shutdown()
+            return
+        else:
+            raise RuntimeError(f"rollout rank {groups.global_rank}: unknown command {op} (weights version {version})")

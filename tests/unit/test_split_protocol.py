@@ -1,0 +1,43 @@
+"""The split placement's bookkeeping without processes: which global ranks train, and the order
+RemoteRollout enforces on the bridge (one generation in flight, collected before any other command)."""
+import pytest
+import torch
+
+from megappo.distributed.split import SplitGroups, train_ranks_of
+from megappo.rollout import SamplingConfig
+from megappo.rollout.remote import RemoteRollout
+
+
+def test_train_ranks_follow_the_launchers_layout():
+    # ROLLOUT_GPUS=2 on nodes of 8: every node's first 6 ranks train
+    assert train_ranks_of(2, 6, 2, 2) == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13]
+    # ROLLOUT_NNODES=1 after 2 training nodes of 8: the first 16 ranks train
+    assert train_ranks_of(2, 8, 1, 8) == list(range(16))
+    assert train_ranks_of(1, 1, 1, 1) == [0]
+
+
+def _trainer_rank():
+    """A training rank other than 0: it sends nothing over the bridge, but keeps the same books."""
+    return SplitGroups("train", 1, 4, [0, 1], [2, 3], None, None, torch.device("cpu"))
+
+
+def test_remote_rollout_keeps_one_generation_in_flight_and_its_version():
+    engine = RemoteRollout(_trainer_rank(), pad_token_id=0)
+    sampling = SamplingConfig(n=1, max_tokens=4)
+    with pytest.raises(RuntimeError, match="no weights were sent to the rollout ranks yet"):
+        engine.request([[5, 6]], sampling)
+    engine.sync_weights(iter([("w", torch.zeros(1))]), policy_version=0)
+    assert (engine.transfers, engine.policy_version) == (1, 0)
+    engine.request([[5, 6]], sampling)
+    assert engine.pending == 0          # made with the weights of step 0
+    with pytest.raises(RuntimeError, match="cannot send weights while a generation is in flight"):
+        engine.sync_weights(iter([]), policy_version=1)
+    with pytest.raises(RuntimeError, match="cannot request a generation while a generation is in flight"):
+        engine.request([[5, 6]], sampling)
+    with pytest.raises(RuntimeError, match="cannot stop the rollout ranks while a generation is in flight"):
+        engine.stop()
+    engine.pending = None               # (collected)
+    engine.sync_weights(iter([]), policy_version=1)
+    assert (engine.transfers, engine.policy_version) == (2, 1)
+    with pytest.raises(RuntimeError, match="no generation was requested"):
+        engine.collect()
