@@ -196,6 +196,11 @@ def test_ray_launcher_rejects_a_bad_config_before_starting_ray(capsys):
         launcher.main(["--nnodes", "2", "--nproc-per-node", "2", "--", "--config", "tiny_cpu"])  # 1 node x 2
     assert e.value.code == 2
     assert "trainer.nnodes x trainer.n_gpus_per_node = 2" in capsys.readouterr().err
+    split = ["--config", "tiny_cpu", "actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2"]
+    with pytest.raises(SystemExit) as e:   # the split placement's rollout ranks count too: 2 + 2
+        launcher.main(["--nnodes", "1", "--nproc-per-node", "2", "--", *split])
+    assert e.value.code == 2
+    assert "trainer.nnodes x trainer.n_gpus_per_node + rollout.nnodes x rollout.n_gpus_per_node = 4" in capsys.readouterr().err
 
 
 def test_ray_launcher_names_a_killed_rank_before_its_peers_errors():

@@ -89,9 +89,13 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str]]:
         validate(cfg, check_paths=False)  # files are checked on the ranks' nodes
     except ConfigError as e:
         p.exit(2, f"megappo ray: invalid configuration, nothing was started.\n{e}\n")
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    from megappo.config import parallel_layout
+
+    world = parallel_layout(cfg).world_size   # the split placement's rollout ranks included
     if world != args.nnodes * args.nproc_per_node:
-        p.exit(2, f"megappo ray: trainer.nnodes x trainer.n_gpus_per_node = {world}, but --nnodes {args.nnodes} x "
+        what = ("trainer.nnodes x trainer.n_gpus_per_node" if cfg.actor_rollout_ref.hybrid_engine else
+                "trainer.nnodes x trainer.n_gpus_per_node + rollout.nnodes x rollout.n_gpus_per_node")
+        p.exit(2, f"megappo ray: {what} = {world}, but --nnodes {args.nnodes} x "
                   f"--nproc-per-node {args.nproc_per_node} = {args.nnodes * args.nproc_per_node} ranks\n")
     if args.device is None:
         args.device = cfg.trainer.device
