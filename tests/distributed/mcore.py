@@ -102,3 +102,17 @@ def random_batch(n, seed, prompt_len, response_len, vocab, prompt_index=None):
     batch.advantages = torch.randn(n, T, generator=g) * mask
     batch.returns = torch.randn(n, T, generator=g) * mask
     return batch
+
+
+def safetensors_tensors(folder):
+    """Every tensor of an HF folder's safetensors files, by name."""
+    import os
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out

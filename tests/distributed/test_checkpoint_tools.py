@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import spawn
-from mcore import SEQ, build, run_schedule, setup, token_log_probs
+from mcore import SEQ, build, run_schedule, safetensors_tensors, setup, token_log_probs
 
 pytestmark = pytest.mark.distributed
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,17 +151,6 @@ def _load(out, cls_name="AutoModelForCausalLM"):
     return model.eval()
 
 
-def _tensors(folder):
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 @pytest.mark.parametrize("name,arch,tp,pp", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_export_matches_actor(ckpts, tmp_path, name, arch, tp, pp):
     out = tmp_path / "hf"
@@ -172,15 +161,15 @@ def test_export_matches_actor(ckpts, tmp_path, name, arch, tp, pp):
     lp = _hf_log_probs(model, _ids())
     diff = (lp - ckpts["rec"][name]["lp"][0]).abs().max().item()
     assert diff < 1e-5, f"{name}: max log-prob difference {diff}"
-    names = set(_tensors(out))
+    names = set(safetensors_tensors(out))
     if arch == "qwen2":  # tied: no lm_head tensor written; transformers ties it to the embedding
         assert "lm_head.weight" not in names and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     else:
         assert "lm_head.weight" in names
     # the update moved the weights: the export is not just the source model again
-    src = _tensors(ckpts["hf"] / arch)
-    assert not torch.equal(src["model.layers.0.mlp.down_proj.weight"], _tensors(out)["model.layers.0.mlp.down_proj.weight"])
+    src = safetensors_tensors(ckpts["hf"] / arch)
+    assert not torch.equal(src["model.layers.0.mlp.down_proj.weight"], safetensors_tensors(out)["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_sharded_and_bf16_exports(ckpts, tmp_path):
@@ -193,7 +182,7 @@ def test_sharded_and_bf16_exports(ckpts, tmp_path):
     for f in files:
         assert os.path.getsize(tmp_path / "sharded" / f) < 1_000_000 + 4096
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
-    one, sharded, bf16 = (_tensors(tmp_path / d) for d in ("one", "sharded", "bf16"))
+    one, sharded, bf16 = (safetensors_tensors(tmp_path / d) for d in ("one", "sharded", "bf16"))
     assert set(index["weight_map"]) == set(one) == set(sharded) == set(bf16)
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in one.values())
     for k, t in one.items():
@@ -209,7 +198,7 @@ def test_hf_megatron_hf_roundtrip_is_bit_exact(ckpts, tmp_path):
     assert (imported / "metadata.json").is_file() and (imported / "huggingface" / "config.json").is_file()
     assert json.loads((imported / "megappo_import.json").read_text())["tp"] == 2
     assert _to_hf("--ckpt", imported, "--out", tmp_path / "back") == 0
-    src, back = _tensors(ckpts["hf"] / "qwen3"), _tensors(tmp_path / "back")
+    src, back = safetensors_tensors(ckpts["hf"] / "qwen3"), safetensors_tensors(tmp_path / "back")
     assert set(src) == set(back)
     for k in src:
         assert src[k].dtype == back[k].dtype and torch.equal(src[k], back[k]), k
@@ -220,7 +209,7 @@ def test_critic_export(ckpts, tmp_path):
     assert _to_hf("--ckpt", ckpts["runs"] / "tp2pp2" / "global_step_1" / "critic", "--out", out, "--critic") == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForTokenClassification"] and len(cfg["id2label"]) == 1
-    t = _tensors(out)
+    t = safetensors_tensors(out)
     assert t["score.weight"].shape == (1, 128) and t["score.bias"].shape == (1,) and "lm_head.weight" not in t
     assert t["score.bias"].abs().item() > 0  # trained: the bias left its zero init
     model = _load(out, "AutoModelForTokenClassification")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from harness import spawn
+from mcore import safetensors_tensors
 
 pytestmark = pytest.mark.distributed
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,17 +281,6 @@ def test_load_at_pp2_ep2(moe):
     _exact(r["probe"])
 
 
-def _tensors(folder):
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 def _load_hf(folder):
     from transformers import AutoModelForCausalLM
 
@@ -307,7 +297,7 @@ def test_export_to_hf(moe, tmp_path, which):
     ref = torch.load(moe["root"] / "distopt.pt")["saved"] if which == "ep2" else torch.load(moe["root"] / "tp2ep2.pt")
     out = tmp_path / "hf"
     assert convert_to_hf_main(["--ckpt", str(run / "global_step_1"), "--out", str(out), "--quiet"]) == 0
-    got, src = _tensors(out), _tensors(moe["src"])
+    got, src = safetensors_tensors(out), safetensors_tensors(moe["src"])
     # transformers 5's on-disk names (what save_pretrained wrote for the source), one tensor per expert
     assert set(got) == set(src) == set(ref)
     assert "model.layers.3.mlp.experts.3.down_proj.weight" in got and "model.layers.1.mlp.gate.weight" in got
@@ -357,7 +347,7 @@ def test_import_and_verify_cli(moe, tmp_path):
     # the import loaded at TP2 x EP2 gives the source back, bit for bit; so does its export
     _exact(moe["tp2ep2"]["imported"])
     assert convert_to_hf_main(["--ckpt", str(moe["imported"]), "--out", str(tmp_path / "back"), "--quiet"]) == 0
-    src, back = _tensors(moe["src"]), _tensors(tmp_path / "back")
+    src, back = safetensors_tensors(moe["src"]), safetensors_tensors(tmp_path / "back")
     assert set(src) == set(back)
     _exact(_diff(src, back))
 
