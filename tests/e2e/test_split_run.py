@@ -2,8 +2,8 @@
 ranks in one job. Synchronous, it trains exactly as the colocated run on 2 ranks (every metric but
 timings); one-step off-policy (tiny words task), step 1 trains on a batch of the initial weights and every later step
 on a batch of the weights one update behind (training/weight_version_lag, and the engine's
-log-probs drift from the actor's exactly when the lag is 1), and a run resumed from a checkpoint
-(which stores the batch in flight) repeats the uninterrupted run's next step."""
+log-probs drift from the actor's exactly when the lag is 1). In both modes a run resumed from a
+checkpoint (which stores the batch in flight) repeats the uninterrupted run's next step."""
 import json
 import shutil
 import sys
@@ -79,6 +79,23 @@ def test_split_synchronous_trains_as_colocated(tiny):
     assert all(r["training/weight_version_lag"] == 0 for r in split)
     for a, b in zip(colocated, split):
         assert _stable(a) == _stable(b), sorted(k for k in _stable(a) if _stable(b).get(k) != _stable(a)[k])
+    # resumed from its step-2 checkpoint (nothing in flight when synchronous), step 3 repeats itself
+    _resume_from_step_2(root / "split_sync", root / "split_sync_resumed", setup, SPLIT, split)
+
+
+def _resume_from_step_2(run, resumed, setup, extra, rows):
+    from harness import free_port, spawn
+
+    resumed.mkdir()
+    shutil.copytree(run / "global_step_2", resumed / "global_step_2")
+    (resumed / "latest").write_text("2")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    spawn(_run, 4, setup, str(resumed), 3, extra + ["trainer.resume_mode=auto"], free_port())
+    again = _rows(resumed)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    assert _stable(again[2]) == _stable(rows[2]), sorted(
+        k for k in _stable(rows[2]) if _stable(again[2]).get(k) != _stable(rows[2])[k])
+    return again
 
 
 @pytest.mark.e2e
@@ -98,15 +115,6 @@ def test_one_step_off_lags_one_version_and_resumes_exactly(tiny):
     drift = [r["training/rollout_probs_diff_max"] for r in rows]
     assert drift[0] < 1e-4 and min(drift[1:]) > 1e-3, drift
 
-    resumed = root / "one_step_off_resumed"
-    resumed.mkdir()
-    shutil.copytree(run / "global_step_2", resumed / "global_step_2")
-    (resumed / "latest").write_text("2")
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
-    spawn(_run, 4, setup, str(resumed), 3, SPLIT + ["trainer.async_mode=one_step_off", "trainer.resume_mode=auto"],
-          free_port())
-    again = _rows(resumed)
-    assert [r["step"] for r in again] == [1, 2, 3]
-    assert _stable(again[2]) == _stable(rows[2]), sorted(
-        k for k in _stable(rows[2]) if _stable(again[2]).get(k) != _stable(rows[2])[k])
+    again = _resume_from_step_2(run, root / "one_step_off_resumed", setup, SPLIT + ["trainer.async_mode=one_step_off"],
+                                rows)
     assert again[2]["training/weight_version_lag"] == 1.0
