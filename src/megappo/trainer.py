@@ -122,7 +122,7 @@ class PPOTrainer:
                                      seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
         self._lag = 0
-        self._last_step = self.total_steps()   # fit() sets the run's last step
+        self._last_step = total   # fit() sets the run's last step
         self.inflight = None   # one-step off-policy: the next step's generation (items, outputs, policy version)
         self.timer = Timer()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
@@ -188,14 +188,12 @@ class PPOTrainer:
         if self.split:   # the rollout ranks generate (each replica its slice, seeded the same way)
             return self._assemble(items, self.engine.generate([it.prompt_ids for it in items],
                                                               self._sampling(sampling, salt, offset)))
-        from megappo.rollout import gather_outputs, prompt_slice, rollout_replica
+        from megappo.rollout import generate_replicated
 
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-        replica, n_rep = rollout_replica(self.rank, self.world, rtp)
-        sl = prompt_slice(len(items), replica, n_rep)
-        sampling = self._sampling(sampling, salt, offset + sl.start)
-        local = self.engine.generate([it.prompt_ids for it in items[sl]], sampling)
-        return self._assemble(items, gather_outputs(local, sl.start, rtp, self.engine.pad_token_id))
+        return self._assemble(items, generate_replicated(self.engine, [it.prompt_ids for it in items],
+                                                         self._sampling(sampling, salt, offset), self.rank,
+                                                         self.world, rtp))
 
     def _sampling(self, sampling, salt: int, first: int, step: Optional[int] = None):
         """``sampling`` seeded for a batch whose first prompt has index ``first`` (in the step's or

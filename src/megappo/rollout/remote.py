@@ -103,11 +103,10 @@ def serve(cfg, groups) -> None:
     from megappo import builders
     from megappo.distributed.split import receive_command, receive_weights, send_object
 
-    from .replicas import gather_outputs, prompt_slice, rollout_replica
+    from .replicas import generate_replicated
 
     engine = builders.build_engine(cfg)
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    replica, n_rep = rollout_replica(groups.role_rank, groups.role_world, rtp)
     version = None
     while True:
         op, obj = receive_command(groups)
@@ -115,11 +114,7 @@ def serve(cfg, groups) -> None:
             version, buckets = receive_weights(groups, expected_version=obj)
             engine.sync_weights(p for b in buckets for p in b)
         elif op == GENERATE:
-            prompts, sampling = obj["prompts"], obj["sampling"]
-            sl = prompt_slice(len(prompts), replica, n_rep)
-            sampling.seed += sl.start * sampling.n   # each prompt's seed: its place in the whole batch
-            local = engine.generate(prompts[sl], sampling)
-            out = gather_outputs(local, sl.start, rtp, engine.pad_token_id)
+            out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
             if groups.bridge_rank == 1:
                 send_object(groups, out)
         elif op == RESET_PREFIX_CACHE:

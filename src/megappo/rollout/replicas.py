@@ -7,7 +7,22 @@ import torch.distributed as dist
 
 from .engine import RolloutOutput
 
-__all__ = ["rollout_replica", "prompt_slice", "gather_outputs", "rows_for_rank"]
+__all__ = ["rollout_replica", "prompt_slice", "gather_outputs", "rows_for_rank", "generate_replicated"]
+
+
+def generate_replicated(engine, prompts: list, sampling, rank: int, world: int, rollout_tp: int,
+                        group=None) -> RolloutOutput:
+    """All replicas' outputs for ``prompts``, in prompt order, on every rank of ``group``: this
+    rank's replica generates its contiguous slice. ``sampling.seed`` is the seed of the first
+    prompt; prompt i's samples start at seed + i x n, so what is sampled does not depend on the
+    number of replicas (colocated and split placements alike). ``sampling`` is not changed."""
+    import copy
+
+    replica, n_rep = rollout_replica(rank, world, rollout_tp)
+    sl = prompt_slice(len(prompts), replica, n_rep)
+    mine = copy.copy(sampling)
+    mine.seed = sampling.seed + sl.start * sampling.n
+    return gather_outputs(engine.generate(prompts[sl], mine), sl.start, rollout_tp, engine.pad_token_id, group)
 
 
 def rollout_replica(rank: int, world: int, rollout_tp: int) -> tuple[int, int]:
