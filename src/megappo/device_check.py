@@ -102,12 +102,15 @@ def _fresh(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 # Ops CUDA allows across devices: a copy, indexing a device tensor with host indices (and
 # assigning into it), and moves (handled before the mixing check).
 _MIXED_OK = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
-             torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.new_tensor}
+             torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.new_tensor,
+             # a type query of `param.data = moved` (Module.cuda/.to): moving a parameter is legal
+             torch._has_compatible_shallow_copy_type}
 # Ops that refuse even a 0-d tensor from the other device.
 _STRICT = {torch.cat, torch.stack, torch.concat, torch.hstack, torch.vstack}
 
 
 _DEVICE_GET = torch.Tensor.device.__get__  # method-wrappers compare equal, never identical
+_DATA_SET = torch.Tensor.data.__set__       # `param.data = moved`: the parameter moves with it
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__
 
 
@@ -129,6 +132,11 @@ class SimulatedCuda(_CudaToCpu):
             return place(args[0]) == DEVICE
         if func is torch.Tensor.get_device:
             return self.sim.index if place(args[0]) == DEVICE else -1
+        if func == _DATA_SET:
+            func(*args, **kwargs)
+            if place(args[1]) is not None:
+                _set(args[0], place(args[1]))
+            return None
         if func is torch.Tensor.cuda:
             src = args[0]
             if place(src) == DEVICE:

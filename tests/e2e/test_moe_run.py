@@ -1,6 +1,7 @@
 """PPO on a tiny Qwen3-MoE end to end (issue 6/7): the trainer at TP2 x EP2 on 4 CPU processes
 (actor, reference and critic on the MoE backbone, vLLM TP2 receiving the experts every step), a
-checkpoint at step 2, and a run resumed from it whose step 3 repeats the uninterrupted run's."""
+checkpoint at step 2, and a run resumed from it whose step 3 repeats the uninterrupted run's; all
+under the CPU device check."""
 import json
 import shutil
 import sys
@@ -16,6 +17,11 @@ A = "actor_rollout_ref.actor."
 
 
 def _run(rank, world, setup, run_dir, steps, extra):
+    import os
+
+    # under the CPU device check (a simulated GPU per rank): MoE's router weight, made on the host
+    # by megatron, once reached the workers there and would have failed the first GPU step
+    os.environ["MEGAPPO_CHECK_DEVICES"] = "1"
     from megappo.config import load_config, validate
     from megappo.trainer import PPOTrainer, init_distributed
 

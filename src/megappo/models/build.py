@@ -74,6 +74,12 @@ def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: 
             max_sequence_length=info.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True, share_embeddings_and_output_weights=desc.tie_word_embeddings and not value_head,
             position_embedding_type="rope", rotary_base=int(info.rope_theta), vp_stage=vp_stage)
+        if not config.use_cpu_initialization:
+            # Not every module creates its parameters on the device (MoE's router weight starts on
+            # the CPU and megatron moves it at the first forward); megatron's own model builder
+            # moves the whole model, as here: the workers need one device before their first pass.
+            # (megappo's own value head, attached below, is made on the device itself.)
+            model.cuda(torch.cuda.current_device())
         # RoPE frequencies exactly as transformers computes them (llama3/linear scaling included).
         rot = model.rotary_pos_emb
         rot.inv_freq = info.inv_freq.to(device=rot.inv_freq.device, dtype=rot.inv_freq.dtype)
