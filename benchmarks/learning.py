@@ -1,29 +1,38 @@
-"""Learning speed: how many samples each method needs on tiny synthetic tasks (CPU).
+"""Learning speed: how many samples each method needs on tiny synthetic tasks (CPU), over seeds.
 
-    python benchmarks/learning.py                 # every task x method, ~12 min on 2 cores
-    python benchmarks/learning.py --quick         # a few steps each: a smoke test of the harness
+    python benchmarks/learning.py                 # every task x method x 3 seeds, 2 runs at a time
+    python benchmarks/learning.py --quick         # 3 steps, one seed: a smoke test of the harness
+    python benchmarks/learning.py --tasks pick_first --methods gae,gae_group,grpo --seeds 0,1,2
 
-Tasks (megappo.rewards.synthetic, a tiny random-init Qwen3-style model per task):
-  words  reward spread over the response: the share of 8 word slots filled with words of the
-         category the prompt names (each right word adds 1/8)
-  echo   reward on one token: the first response word must be the first word of the prompt
-Methods (tuned settings each; see MEGAPPO and TRL_ARGS):
-  gae1   megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
-         mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
-  gae    megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
-  grpo   megappo GRPO (no critic), n=8
-  gspo, cispo, sapo   GRPO's advantages and settings with another policy loss (--methods to pick them)
-  dapo   GRPO + clip-higher (0.28) + dynamic sampling (score must vary within a group); its
-         samples count every generated sample, kept or filtered
-  grpo_is  GRPO with rollout correction (token-level truncated importance weights, threshold 2)
-  trl    TRL 1.12's PPOTrainer (GAE, separate value model), from its own venv, which a full
-         run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV to put it elsewhere);
-         --quick skips TRL, saying so, when the venv is missing
+Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task and seed):
+  words       reward spread over the response: the share of 8 word slots filled with words of
+              the category the prompt names (each right word adds 1/8)
+  echo        reward on one token: the first response word must be the first word of the prompt
+  pick_first  8 random words t10..t41 (vocabulary 64, 2 layers); every one of the 8 response
+              words should be the prompt's FIRST word (each adds 1/8, paid at the last token)
+  copy        the same prompts; response word i should be prompt word i (a different target at
+              each position: per-token credit)
+Methods (see MEGAPPO and TRL_ARGS):
+  gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
+  gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
+  grpo       megappo GRPO (no critic), n=8
+  gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
+             mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
+  trl        TRL 1.12's PPOTrainer (GAE, separate value model) at those settings, from its own
+             venv, which a full run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV
+             to put it elsewhere); --quick skips TRL, saying so, when the venv is missing
+  gspo, cispo, sapo   GRPO's advantages and settings with another policy loss
+  dapo       GRPO + clip-higher (0.28) + dynamic sampling (score must vary within a group); its
+             samples count every generated sample, kept or filtered
+  grpo_is    GRPO with rollout correction (token-level truncated importance weights, threshold 2)
 
-Each megappo run is one process (`python -m megappo.train`, world size 1). Prints the curves as a
-table and ends with one JSON line: per task and method, the samples and seconds to the task's
-target score (a 5-step running mean) and the score after the sample budget (mean of the last 5
-steps within it).
+Each megappo run is one process (`python -m megappo.train`, world size 1); --jobs of them run at
+once. By default a run stops once it reaches its task's target (a 5-step running mean of the
+score): only the samples to target are measured (--full-budget runs every method to the budget).
+Prints the curves (score and actor entropy), per task and method the median [min, max] over
+seeds of the samples to target (a seed that never reaches it counts as infinite), how many runs
+collapsed (entropy under half its start while the score stayed under twice its start), the
+comparisons megappo gae <= grpo and gae1 <= trl, and ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ TASKS = {
     # max_response_length, target score, sample budget
     "words": dict(response=8, target=0.5, budget=6_400),
     "echo": dict(response=4, target=0.8, budget=6_400),
+    "pick_first": dict(response=8, target=0.5, budget=38_400),
+    "copy": dict(response=8, target=0.5, budget=38_400),
 }
 
 # Settings per method. Both megappo methods see batch x n samples per step.
@@ -68,14 +79,53 @@ MEGAPPO["dapo"] = MEGAPPO["grpo"] + ["actor_rollout_ref.actor.clip_ratio_high=0.
                                      "algorithm.filter_groups.metric=score", "data.gen_batch_size=32"]
 MEGAPPO["grpo_is"] = MEGAPPO["grpo"] + ["algorithm.rollout_correction.rollout_is=token",
                                         "algorithm.rollout_correction.rollout_is_threshold=2.0"]
-SAMPLES_PER_STEP = {"gae": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+MEGAPPO["gae_group"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group"]
+SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
-TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
+TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
+            "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
-def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=()) -> list[dict]:
-    run_dir = out / f"{task}_{method}"
+def _poll(proc: subprocess.Popen, out_file: Path, read, target: float, stop_at_target: bool) -> list[dict]:
+    """Wait for ``proc``; with ``stop_at_target`` end it once its curve (``read()``) reaches the
+    target (a 5-step running mean), which saves the rest of the budget's steps."""
+    while proc.poll() is None:
+        time.sleep(1.0)
+        if stop_at_target and out_file.exists():
+            try:
+                curve = read()
+            except (json.JSONDecodeError, KeyError):   # a line being written
+                continue
+            if summarise(curve, target, 10**12)["samples_to_target"] is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                return read()
+    return read()
+
+
+def megappo_curve(metrics_file: Path, per_step: int, per_round: int) -> list[dict]:
+    rows = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r.get("step", 0) > 0 and "critic/score/mean" in r]
+    curve, elapsed, samples = [], 0.0, 0
+    for r in rows:
+        elapsed += r.get("timing_s/step", 0.0)
+        # dynamic sampling generates rounds until enough groups are kept: count what was generated
+        samples += int(r["train/num_gen_batches"]) * per_round if "train/num_gen_batches" in r else per_step
+        # the score of everything generated (dynamic sampling's critic/score/mean is of the kept groups)
+        score = r.get("train/generated_score_mean", r["critic/score/mean"])
+        curve.append({"step": r["step"], "samples": samples, "score": score, "seconds": elapsed,
+                      "entropy": r.get("actor/entropy")})
+    return curve
+
+
+def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),
+                stop_at_target: bool = True) -> list[dict]:
+    run_dir = out / f"{task}_{method}_s{seed}"
     spec = TASKS[task]
     args = [sys.executable, "-m", "megappo.train", "--config", "tiny_cpu", "trainer.n_gpus_per_node=1",
             f"actor_rollout_ref.model.path={paths['model']}", f"data.train_files=[{paths['train']}]",
@@ -87,26 +137,21 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method], *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    t0 = time.time()
-    p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(out))
-    if p.returncode != 0:
-        raise RuntimeError(f"{task}/{method} failed:\n{p.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("step", 0) > 0 and "critic/score/mean" in r]
     # samples per step from the overrides actually passed (--extra may change n or the batch)
     last = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
     n = int(last["actor_rollout_ref.rollout.n"])
     per_step = n * int(last["data.train_batch_size"])
     per_round = n * int(last.get("data.gen_batch_size", last["data.train_batch_size"]))
-    curve, elapsed, samples = [], 0.0, 0
-    for r in rows:
-        elapsed += r.get("timing_s/step", 0.0)
-        # dynamic sampling generates rounds until enough groups are kept: count what was generated
-        samples += int(r["train/num_gen_batches"]) * per_round if "train/num_gen_batches" in r else per_step
-        # the score of everything generated (dynamic sampling's critic/score/mean is of the kept groups)
-        score = r.get("train/generated_score_mean", r["critic/score/mean"])
-        curve.append({"step": r["step"], "samples": samples, "score": score, "seconds": elapsed})
-    print(f"  {task}/{method}: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.time()
+    log = open(out / f"{task}_{method}_s{seed}.log", "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(out))
+    curve = _poll(proc, metrics, lambda: megappo_curve(metrics, per_step, per_round), spec["target"], stop_at_target)
+    log.close()
+    if proc.returncode not in (0, -15) or (proc.returncode == -15 and not stop_at_target):
+        tail = (out / f"{task}_{method}_s{seed}.log").read_text()[-3000:]
+        raise RuntimeError(f"{task}/{method}/seed {seed} failed:\n{tail}")
+    print(f"  {task}/{method}/seed {seed}: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
     return curve
 
 
@@ -115,24 +160,33 @@ def trl_python() -> Path | None:
     return py if py.exists() else None
 
 
-def run_trl(task: str, paths: dict, out: Path, steps: int, seed: int) -> list[dict]:
-    f = out / f"{task}_trl.jsonl"
+def run_trl(task: str, paths: dict, out: Path, steps: int, seed: int, stop_at_target: bool = True) -> list[dict]:
+    f = out / f"{task}_trl_s{seed}.jsonl"
     args = [str(trl_python()), str(ROOT / "benchmarks" / "trl_ppo.py"), "--model", paths["model"],
             "--train", paths["train"], "--task", task, "--steps", str(steps), "--batch-size", str(TRL_BATCH),
-            "--max-new-tokens", str(TASKS[task]["response"]), "--seed", str(seed), "--out", str(f), *TRL_ARGS[task]]
+            "--max-new-tokens", str(TASKS[task]["response"]), "--seed", str(seed), "--out", str(f), "--trl-metrics",
+            *TRL_ARGS[task]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+
+    def read():
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        return [dict(r, entropy=r.get("policy/entropy_avg")) for r in rows]
     t0 = time.time()
-    p = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(out))
-    if p.returncode != 0:
-        raise RuntimeError(f"{task}/trl failed:\n{p.stderr[-3000:]}")
-    curve = [json.loads(x) for x in f.read_text().splitlines()]
-    print(f"  {task}/trl: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
+    log = open(out / f"{task}_trl_s{seed}.log", "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(out))
+    curve = _poll(proc, f, read, TASKS[task]["target"], stop_at_target)
+    log.close()
+    if proc.returncode not in (0, -15):
+        raise RuntimeError(f"{task}/trl/seed {seed} failed:\n{(out / f'{task}_trl_s{seed}.log').read_text()[-3000:]}")
+    print(f"  {task}/trl/seed {seed}: {len(curve)} steps in {time.time() - t0:.0f} s", flush=True)
     return curve
 
 
 def summarise(curve: list[dict], target: float, budget: int) -> dict:
     """Samples/seconds at the first step whose 5-step running mean reaches ``target``; the mean
-    score of the last 5 steps within ``budget`` samples."""
+    score of the last 5 steps within ``budget`` samples; whether the policy collapsed: its
+    entropy fell below half its start while the score (5-step running mean) stayed under twice
+    its start (the mean of the first 5 steps)."""
     hit = None
     for i in range(len(curve)):
         window = curve[max(0, i - 4):i + 1]
@@ -140,72 +194,107 @@ def summarise(curve: list[dict], target: float, budget: int) -> dict:
             hit = curve[i]
             break
     within = [r for r in curve if r["samples"] <= budget][-5:]
+    collapsed = False
+    ent = [r.get("entropy") for r in curve]
+    if curve and ent[0] is not None:
+        start = sum(r["score"] for r in curve[:5]) / len(curve[:5])
+        for i in range(4, len(curve)):
+            running = sum(r["score"] for r in curve[i - 4:i + 1]) / 5
+            if ent[i] is not None and ent[i] < 0.5 * ent[0] and running < 2 * max(start, 1e-3):
+                collapsed = True
+                break
     return {"samples_to_target": hit["samples"] if hit else None,
             "seconds_to_target": round(hit["seconds"], 1) if hit else None,
-            "score_at_budget": round(sum(r["score"] for r in within) / len(within), 4) if within else None}
+            "score_at_budget": round(sum(r["score"] for r in within) / len(within), 4) if within else None,
+            "collapsed": collapsed}
+
+
+def median_spread(values: list) -> tuple:
+    """(median, min, max) of samples-to-target over seeds; a seed that never reached the target
+    counts as infinite (so the median is None when most seeds missed it)."""
+    v = sorted(float("inf") if x is None else x for x in values)
+    med = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    fix = lambda x: None if x == float("inf") else int(x)  # noqa: E731
+    return fix(med), fix(v[0]), fix(v[-1])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default="words,echo")
-    ap.add_argument("--methods", default="gae1,gae,grpo,trl")
-    ap.add_argument("--quick", action="store_true", help="3 steps per run: checks the harness, measures nothing")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--methods", default="gae,grpo,gae1,trl")
+    ap.add_argument("--quick", action="store_true", help="3 steps per run, one seed: checks the harness, measures nothing")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (task data and model init, sampling)")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once (each is one single-threaded process)")
+    ap.add_argument("--full-budget", action="store_true",
+                    help="run every method to the whole sample budget (default: stop a run once it reaches the target)")
     ap.add_argument("--out", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                     help="an override added to every megappo run (to try a setting)")
     args = ap.parse_args(argv)
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     from megappo.data.tiny import make_tiny_setup
 
     out = Path(args.out or tempfile.mkdtemp(prefix="megappo-learning-"))
     out.mkdir(parents=True, exist_ok=True)
-    results, curves = {}, {}
-    for task in args.tasks.split(","):
-        spec = TASKS[task]
-        paths = make_tiny_setup(str(out / f"setup_{task}"), task=task, n_train=2048, seed=args.seed)
-        for method in args.methods.split(","):
-            if method == "trl":
-                if trl_python() is None and not args.quick:
-                    # TRL lives in a venv of its own (never in megappo's dependencies)
-                    print("  installing TRL 1.12 into its own venv: bash benchmarks/setup_trl.sh", flush=True)
-                    subprocess.run(["bash", str(ROOT / "benchmarks" / "setup_trl.sh")], check=False)
-                if trl_python() is None:
-                    print(f"  {task}/trl: skipped: no TRL venv (bash benchmarks/setup_trl.sh)", flush=True)
-                    continue
-                steps = 3 if args.quick else spec["budget"] // TRL_BATCH
-                curve = run_trl(task, paths, out, steps, args.seed)
-            else:
-                steps = 3 if args.quick else spec["budget"] // SAMPLES_PER_STEP[method]
-                curve = run_megappo(method, task, paths, out, steps, args.seed, args.extra)
-            curves[f"{task}/{method}"] = curve
-            results[f"{task}/{method}"] = summarise(curve, spec["target"], spec["budget"])
+    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")][:1 if args.quick else None]
+    if "trl" in methods and trl_python() is None and not args.quick:
+        # TRL lives in a venv of its own (never in megappo's dependencies)
+        print("  installing TRL 1.12 into its own venv: bash benchmarks/setup_trl.sh", flush=True)
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "setup_trl.sh")], check=False)
+    jobs, paths = [], {}
+    for task in tasks:
+        for seed in seeds:
+            paths[task, seed] = make_tiny_setup(str(out / f"setup_{task}_s{seed}"), task=task, n_train=8192, seed=seed)
+        for method in methods:
+            if method == "trl" and trl_python() is None:
+                print(f"  {task}/trl: skipped: no TRL venv (bash benchmarks/setup_trl.sh)", flush=True)
+                continue
+            jobs += [(task, method, seed) for seed in seeds]
 
-    print(f"\n{'run':<12} {'samples':>8} {'score':>6}   (every ~10% of the budget)")
-    for name, curve in curves.items():
+    def run(job):
+        task, method, seed = job
+        spec, stop = TASKS[task], not args.full_budget
+        if method == "trl":
+            return run_trl(task, paths[task, seed], out, 3 if args.quick else spec["budget"] // TRL_BATCH, seed, stop)
+        steps = 3 if args.quick else spec["budget"] // SAMPLES_PER_STEP[method]
+        return run_megappo(method, task, paths[task, seed], out, steps, seed, args.extra, stop)
+
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        curves = dict(zip(jobs, pool.map(run, jobs)))
+    wall = time.time() - t0
+
+    print(f"\n{'run':<22} {'samples':>8} {'score':>6} {'entropy':>8}   (every ~10% of the run)")
+    for (task, method, seed), curve in curves.items():
         stride = max(1, len(curve) // 10)
         for r in curve[stride - 1::stride]:
-            print(f"{name:<12} {r['samples']:>8} {r['score']:>6.3f}")
-    print(f"\n{'run':<12} {'target':>6} {'samples to target':>18} {'s to target':>12} {'score at budget':>16}")
-    for name, r in results.items():
-        print(f"{name:<12} {TASKS[name.split('/')[0]]['target']:>6} {str(r['samples_to_target']):>18} "
-              f"{str(r['seconds_to_target']):>12} {str(r['score_at_budget']):>16}")
-    flat = {}
-    for name, r in results.items():
-        task, method = name.split("/")
-        for k, v in r.items():
-            flat[f"{task}_{method}_{k}"] = v
-    # megappo's PPO with a critic (its best setting here) against TRL's PPO and its own GRPO
+            e = r.get("entropy")
+            print(f"{task}/{method}/s{seed:<8} {r['samples']:>8} {r['score']:>6.3f} {'' if e is None else f'{e:8.2f}'}")
+    results, flat = {}, {"wall_s": round(wall, 1)}
+    for (task, method, seed), curve in curves.items():
+        results.setdefault((task, method), []).append(summarise(curve, TASKS[task]["target"], TASKS[task]["budget"]))
+    print(f"\n{'task/method':<18} {'target':>6} {'samples to target: median [min, max]':>38} {'collapsed':>10}")
+    for (task, method), rs in results.items():
+        med, lo, hi = median_spread([r["samples_to_target"] for r in rs])
+        n_coll = sum(r["collapsed"] for r in rs)
+        print(f"{task + '/' + method:<18} {TASKS[task]['target']:>6} {str(med):>18} [{lo}, {hi}]{'':>6} {n_coll}/{len(rs)}")
+        flat[f"{task}_{method}_samples_to_target_median"] = med
+        flat[f"{task}_{method}_samples_to_target_per_seed"] = [r["samples_to_target"] for r in rs]
+        flat[f"{task}_{method}_collapsed_runs"] = n_coll
+    # megappo's PPO with a critic against its own GRPO (same settings) and TRL's PPO (TRL's settings)
     print()
-    for task in args.tasks.split(","):
-        ppo = [results[f"{task}/{m}"]["samples_to_target"] for m in ("gae1", "gae") if f"{task}/{m}" in results]
-        ppo = min((x for x in ppo if x is not None), default=None)
-        for other in ("trl", "grpo"):
-            theirs = results.get(f"{task}/{other}", {}).get("samples_to_target")
-            if ppo is not None and theirs:
-                flat[f"{task}_ppo_over_{other}_samples"] = round(ppo / theirs, 3)
-                print(f"{task}: megappo PPO+critic needs {ppo / theirs:.2f}x the samples of {other}")
+    for task in tasks:
+        for ppo, other in (("gae", "grpo"), ("gae1", "trl")):
+            mine = flat.get(f"{task}_{ppo}_samples_to_target_median")
+            theirs = flat.get(f"{task}_{other}_samples_to_target_median")
+            if (task, ppo) in results and (task, other) in results:
+                ok = mine is not None and (theirs is None or mine <= theirs)
+                flat[f"{task}_{ppo}_le_{other}"] = ok
+                print(f"{task}: megappo {ppo} needs {mine} samples (median), {other} {theirs}: {'ok' if ok else 'NOT ok'}")
+    print(f"\nwhole benchmark: {wall / 60:.1f} min")
     print(json.dumps(flat))
     return 0
 

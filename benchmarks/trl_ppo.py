@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (make_tiny_setup's 'model')")
     ap.add_argument("--train", required=True, help="training prompts, verl-schema parquet")
-    ap.add_argument("--task", required=True, choices=["echo", "words"])
+    ap.add_argument("--task", required=True, choices=["echo", "words", "pick_first", "copy"])
     ap.add_argument("--out", required=True, help="JSON-lines file: one line per step")
     ap.add_argument("--steps", type=int, default=100, help="PPO steps (rollout + update)")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per step (one sample each)")
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kl-coef", type=float, default=0.01, help="KL penalty in the reward (TRL's kl_coef)")
     ap.add_argument("--kl-estimator", default="k1", choices=["k1", "k3"])
     ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help="response length (default: 4 for echo, 8 for words)")
+                    help="response length (default: 4 for echo, 8 for the others)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--vf-coef", type=float, default=0.1)
     ap.add_argument("--cliprange", type=float, default=0.2)
@@ -133,7 +133,9 @@ def load_score_batch():
         syn = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(syn)
         fns = {syn.ECHO_SOURCE: lambda s, gt, ex: syn.echo_score(s, gt),
-               syn.WORDS_SOURCE: lambda s, gt, ex: syn.words_score(s, gt, (ex or {}).get("max_words", 8))}
+               syn.WORDS_SOURCE: lambda s, gt, ex: syn.words_score(s, gt, (ex or {}).get("max_words", 8)),
+               syn.PICK_FIRST_SOURCE: lambda s, gt, ex: syn.pick_first_score(s, gt, (ex or {}).get("max_words", 8)),
+               syn.COPY_SOURCE: lambda s, gt, ex: syn.copy_score(s, gt, (ex or {}).get("max_words", 8))}
 
         def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom=None):
             extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
@@ -156,7 +158,7 @@ def read_prompts(path: str, tokenizer, task: str):
     if not rows:
         raise SystemExit(f"{path}: no rows")
     queries, table = [], {}
-    want = {"echo": "synthetic/echo", "words": "synthetic/words"}[task]
+    want = f"synthetic/{task}"
     for r, row in enumerate(rows):
         if row.get("data_source") != want:
             raise SystemExit(f"{path}, row {r}: data_source {row.get('data_source')!r}, but --task {task} "

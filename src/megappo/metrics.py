@@ -14,7 +14,7 @@ import torch
 
 from megappo.batch import RolloutBatch
 
-__all__ = ["data_metrics", "critic_diagnostics", "Timer", "MetricsLogger", "peak_flops", "mfu"]
+__all__ = ["data_metrics", "critic_diagnostics", "CollapseWatch", "Timer", "MetricsLogger", "peak_flops", "mfu"]
 
 # Dense bf16 tensor-core peak per GPU in TFLOPS, keyed by words of torch.cuda.get_device_name().
 # NVIDIA's datasheets lead with the 2:4-sparse figure; dense is half of it. One form factor's name
@@ -149,6 +149,37 @@ def critic_diagnostics(batch: RolloutBatch, max_response_length: int, group=None
             s_, c = t[12 + 2 * i], t[13 + 2 * i]
             out[f"critic/advantages/pos_{lo}" + (f"-{hi}" if hi > lo else "")] = s_ / c if c else 0.0
     return out
+
+
+class CollapseWatch:
+    """Names the failure in which the policy sharpens without learning: ``actor/entropy`` fell
+    below half its first value while ``critic/score/mean`` (a 5-step running mean) stayed under
+    twice its start (the mean of the first 5 steps). :meth:`update` returns a message the first
+    time it happens (then None)."""
+
+    def __init__(self, window: int = 5):
+        self.window, self.entropy0, self.scores, self.fired = window, None, [], False
+
+    def update(self, metrics: dict):
+        entropy, score = metrics.get("actor/entropy"), metrics.get("critic/score/mean")
+        if entropy is None or score is None or self.fired:
+            return None
+        if self.entropy0 is None:
+            self.entropy0 = entropy
+        self.scores.append(score)
+        if len(self.scores) < 2 * self.window:
+            return None
+        start = sum(self.scores[:self.window]) / self.window
+        now = sum(self.scores[-self.window:]) / self.window
+        if entropy < 0.5 * self.entropy0 and now < 2 * max(start, 1e-6):
+            self.fired = True
+            share = metrics.get("critic/advantages/equal_score_share")
+            return (f"actor/entropy fell from {self.entropy0:.3g} to {entropy:.3g} while critic/score/mean stayed at "
+                    f"{now:.3g} (start {start:.3g}): the policy is sharpening without learning"
+                    + (f"; critic/advantages/equal_score_share {share:.2f} of the advantage sits on prompts whose "
+                       "samples all scored alike (the critic's noise): try algorithm.gae_adv_norm=group"
+                       if share is not None else ""))
+        return None
 
 
 def data_metrics(batch: RolloutBatch, max_response_length: int, group=None) -> dict:

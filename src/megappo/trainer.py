@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -74,7 +75,7 @@ class PPOTrainer:
         from megappo import builders
         from megappo.data import PromptDataset, PromptSampler
         from megappo.distributed import host_dp_group, process_device
-        from megappo.metrics import MetricsLogger, Timer
+        from megappo.metrics import CollapseWatch, MetricsLogger, Timer
         from megappo.rewards import load_custom_reward
 
         self.cfg = cfg
@@ -125,6 +126,7 @@ class PPOTrainer:
         self._last_step = total   # fit() sets the run's last step
         self.inflight = None   # one-step off-policy: the next step's generation (items, outputs, policy version)
         self.timer = Timer()
+        self.collapse_watch = CollapseWatch()
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=total, project=tr.project_name, experiment=tr.experiment_name,
                                     config=to_dict(cfg))
@@ -301,6 +303,9 @@ class PPOTrainer:
                 self.sync_weights(version=self.step_no + 1)
         self.step_no += 1
         metrics = self._step_metrics(metrics, global_batch, local_batch)
+        warning = self.collapse_watch.update(metrics)
+        if warning and self.rank == 0:
+            print(f"step {self.step_no}: WARNING: {warning}", file=sys.stderr, flush=True)
         if log:
             self.logger.log(self.step_no, metrics)
         return metrics
@@ -469,7 +474,12 @@ class PPOTrainer:
             gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo, dp_group=self.dp_group,
             old_log_probs=local_batch.old_log_prob, sum_pi_squared=local_batch.sum_pi_squared,
             rollout_is_weights=local_batch.rollout_is_weights, reward_components=local_batch.reward_components,
-            reward_weights=al.gdpo_reward_weights)
+            reward_weights=al.gdpo_reward_weights, gae_adv_norm=al.gae_adv_norm,
+            critic_lam=al.critic_lam, lam_length_alpha=al.lam_length_alpha)
+        if local_batch.values is not None and self.cfg.actor_rollout_ref.rollout.n > 1:
+            metrics["critic/advantages/equal_score_share"] = algo.equal_score_share(
+                local_batch.advantages, local_batch.token_level_rewards, local_batch.response_mask,
+                local_batch.prompt_index, self.dp_group)
         return metrics
 
     def _update_critic(self, local_batch: RolloutBatch) -> dict:

@@ -116,3 +116,22 @@ def test_words_task():
     from megappo.rewards import score_batch
 
     assert score_batch(["synthetic/words"], ["apple cat"], ["fruit"], [{"max_words": 2}]) == [0.5]
+
+
+def test_pick_first_and_copy_scores():
+    from megappo.rewards import score_batch
+    from megappo.rewards import synthetic
+
+    gt = "t10 t11 t12 t13 t14 t15 t16 t17"
+    assert synthetic.pick_first_score("t10 t10 t11 t10", gt) == 3 / 8
+    assert synthetic.pick_first_score(" ".join(["t10"] * 12), gt) == 1.0      # only the first 8 words count
+    assert synthetic.copy_score("t10 t11 t99 t13", gt) == 3 / 8
+    assert synthetic.copy_score("t11 t12 t13", gt) == 0.0                     # position matters
+    assert synthetic.copy_score(gt + " t18", gt) == 1.0
+    rows = synthetic.make_token_rows(16, seed=3, source=synthetic.PICK_FIRST_SOURCE)
+    assert len(rows) == 16 and all(len(r["prompt"][0]["content"].split()) == 8 for r in rows)
+    assert rows == synthetic.make_token_rows(16, seed=3, source=synthetic.PICK_FIRST_SOURCE)   # deterministic
+    assert score_batch([synthetic.PICK_FIRST_SOURCE, synthetic.COPY_SOURCE], ["t10 t10", "t10 t11"], [gt, gt]) == [0.25, 0.25]
+    import pytest
+    with pytest.raises(ValueError, match="unknown source"):
+        synthetic.make_token_rows(2, seed=0, source="synthetic/nope")

@@ -30,6 +30,11 @@ __all__ = [
     "group_stats",
     "group_sums",
     "group_max",
+    "GAE_ADV_NORMS",
+    "group_normalised_gae",
+    "equal_score_share",
+    "length_adaptive_lam",
+    "gae_per_sample_lam",
     "EstimatorSpec",
     "ESTIMATOR_INPUTS",
     "register_estimator",
@@ -317,7 +322,8 @@ def list_estimators() -> list[str]:
 def compute_advantages(estimator: str, *, token_level_rewards, response_mask, values=None, group_index=None,
                        gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
                        baseline_scores=None, dp_group=None, old_log_probs=None, sum_pi_squared=None,
-                       rollout_is_weights=None, reward_components=None, reward_weights=None):
+                       rollout_is_weights=None, reward_components=None, reward_weights=None,
+                       gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None):
     """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T).
 
     Optional inputs, used by the estimators that ask for them (others ignore them):
@@ -340,7 +346,8 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
                    group_index=group_index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
                    baseline_scores=baseline_scores, dp_group=dp_group, old_log_probs=old_log_probs,
                    sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
-                   reward_components=reward_components, reward_weights=reward_weights)
+                   reward_components=reward_components, reward_weights=reward_weights,
+                   gae_adv_norm=gae_adv_norm, critic_lam=critic_lam, lam_length_alpha=lam_length_alpha)
 
 
 def _outcome(scores: torch.Tensor, response_mask, dtype) -> torch.Tensor:
@@ -352,10 +359,90 @@ def _scores(token_level_rewards, response_mask):
     return (token_level_rewards.to(torch.float64) * response_mask.to(torch.float64)).sum(-1)
 
 
+GAE_ADV_NORMS = ("batch", "group")
+
+
+def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive policy lambda, per sample: lam = 1 - 1 / (alpha * l) for a
+    response of l tokens, clamped to [0, 1] (short responses give a negative value: 0, TD(0)).
+    (B, T) mask -> (B,) float64."""
+    length = response_mask.to(torch.float64).sum(-1).clamp(min=1)
+    return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
+
+
+def gae_per_sample_lam(token_level_rewards, values, response_mask, gamma: float, lam: torch.Tensor):
+    """:func:`gae` with one lambda per sample (``lam`` (B,)): the rows sharing a lambda go
+    through :func:`gae` together. Returns ``(advantages, returns)`` (B, T)."""
+    dtype = torch.promote_types(values.dtype, token_level_rewards.dtype)
+    adv = torch.zeros(values.shape, dtype=dtype, device=values.device)
+    ret = torch.zeros_like(adv)
+    for v in torch.unique(lam).tolist():
+        rows = torch.nonzero(lam == v).squeeze(-1).to(values.device)
+        a, r = gae(token_level_rewards[rows], values[rows], response_mask[rows], gamma, v)
+        adv[rows], ret[rows] = a, r
+    return adv, ret
+
+
+def group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group=None,
+                         eps: float = 1e-6):
+    """GAE advantages on the group's baseline and scale (PPO with a critic, n samples per prompt).
+
+    adv (B, T) unwhitened GAE advantages, values (B, T) the critic's (column 0 is V(s_0), the
+    value of the prompt), group_index (B,) one id per prompt. Per sample i of group g:
+        A'_it = (A_it + V_i(s_0) - mean_g(score)) / std_g(score)        (0 where std_g = 0)
+    With lambda = 1, A_it = score_i - V(s_t), so A'_it = (score_i - mean_g - (V(s_t) - V(s_0))) / std_g:
+    GRPO's baseline and scale for the sequence, the critic's change of value since the prompt
+    as a per-token baseline (it depends on the state, not on the action taken there: no bias).
+    Why: whitening over the batch divides by the std of R - V, which is the critic's error once
+    the critic predicts each prompt's outcome; that error, scaled to unit size, then rewards the
+    responses of prompts the policy always gets wrong (measured: the policy collapsed onto them).
+    Here a group whose samples all score the same gets exactly 0, as in GRPO. Returns (B, T).
+    """
+    score = _scores(token_level_rewards, response_mask)
+    _, mean, std = group_stats(score, group_index, dp_group)
+    first = response_mask[:, 0].bool()
+    v0 = torch.where(first, values[:, 0].to(torch.float64), torch.zeros_like(mean))
+    a = (adv.to(torch.float64) + (v0 - mean)[:, None]) / (std[:, None] + eps)
+    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
+    return _zero_masked(a.to(adv.dtype), response_mask)
+
+
+def equal_score_share(advantages, token_level_rewards, response_mask, group_index, dp_group=None) -> float:
+    """Share of the advantages' squared size (over response tokens, DP-global) that sits on
+    samples whose prompt group scored all alike: where the outcome gives no contrast, so the
+    advantage is the critic's opinion alone (GRPO puts exactly 0 there). Near 1 with a flat
+    score means the actor is following the critic's noise."""
+    score = _scores(token_level_rewards, response_mask)
+    _, _, std = group_stats(score, group_index, dp_group)
+    a2 = (advantages.to(torch.float64) ** 2 * response_mask.to(torch.float64)).sum(-1)
+    t = torch.stack([(a2 * (std <= 1e-12)).sum(), a2.sum()])
+    if dp_group is not None:
+        dist.all_reduce(t, group=dp_group)
+    return float(t[0] / t[1]) if t[1] > 0 else 0.0
+
+
 @register_estimator("gae", needs_critic=True)
-def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp_group, **_):
-    """GAE; advantages whitened over the (DP-global) batch, returns = unwhitened adv + values."""
-    adv, ret = gae(token_level_rewards, values, response_mask, gamma, lam)
+def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp_group, group_index=None,
+                   gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, **_):
+    """GAE. ``gae_adv_norm``: ``batch`` whitens the advantages over the (DP-global) batch (verl);
+    ``group`` is :func:`group_normalised_gae`. ``critic_lam`` (None: ``lam``): the lambda of the
+    critic's targets (VAPO's decoupled GAE: 1.0 makes them Monte-Carlo returns);
+    ``lam_length_alpha`` (None: off): the policy's lambda per sample is
+    :func:`length_adaptive_lam`. Returns (advantages, returns = critic-lambda advantage + values)."""
+    if gae_adv_norm not in GAE_ADV_NORMS:
+        raise ValueError(f"gae_adv_norm must be one of {GAE_ADV_NORMS}, got {gae_adv_norm!r}")
+    if lam_length_alpha is not None:
+        adv, ret = gae_per_sample_lam(token_level_rewards, values, response_mask, gamma,
+                                      length_adaptive_lam(response_mask, lam_length_alpha))
+    else:
+        adv, ret = gae(token_level_rewards, values, response_mask, gamma, lam)
+    critic_lam = lam if critic_lam is None else critic_lam
+    if critic_lam != lam or lam_length_alpha is not None:
+        _, ret = gae(token_level_rewards, values, response_mask, gamma, critic_lam)
+    if gae_adv_norm == "group":
+        if group_index is None:
+            raise ValueError("gae_adv_norm='group' needs group_index (one id per prompt)")
+        return group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group), ret
     return masked_whiten(adv, response_mask, group=dp_group), ret
 
 

@@ -269,7 +269,10 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     gamma: float = _f(1.0, "Discount factor.")
-    lam: float = _f(1.0, "GAE lambda.")
+    lam: float = _f(1.0, "GAE lambda (of the policy's advantages, and of the critic's targets unless critic_lam is set).")
+    critic_lam: Optional[float] = _f(None, "gae: lambda of the critic's targets (VAPO/VC-PPO's decoupled GAE; 1.0 = Monte-Carlo returns); null: algorithm.lam.")
+    lam_length_alpha: Optional[float] = _f(None, "gae: VAPO's length-adaptive policy lambda, 1 - 1/(alpha * response length) per sample, clamped to [0, 1] (their alpha: 0.05); null: algorithm.lam for every sample.")
+    gae_adv_norm: str = _f("batch", "gae: how advantages are normalised. batch: whitened over the batch (verl). group (needs rollout.n > 1): each sample's advantages on its prompt group's mean score as baseline and divided by the group's score std (GRPO's baseline and scale, the critic's per-token values on top; a group whose samples all score the same gets 0). See docs in megappo.algo.group_normalised_gae.")
     adv_estimator: str = _f("gae", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, optimal_token_baseline (a baseline per group and token position, weighted by each response's accumulated 1 - 2 pi + sum pi^2 from the old-log-prob pass), tir_optimal_token_baseline (the same, positions counted over response tokens only: multi-turn), gdpo (each reward component of gdpo_reward_keys normalised within its group, then weighted, summed and whitened over the batch). See megappo/algo/advantages.py.")
     norm_adv_by_std_in_grpo: bool = _f(True, "GRPO divides by the group std; false gives Dr.GRPO. Also gdpo's per-component normalisation.")
     gdpo_reward_keys: Optional[list[str]] = _f(None, "gdpo: the reward components, keys of the dict the reward function returns (e.g. [accuracy_reward, format_reward]); required with adv_estimator=gdpo.")

@@ -252,9 +252,21 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
     if al.kl_ctrl.type == "adaptive":
         need(al.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl",
              f"the adaptive controller needs target_kl > 0, got {al.kl_ctrl.target_kl}")
-    for key in ("algorithm.gamma", "algorithm.lam"):
+    for key in ("algorithm.gamma", "algorithm.lam", "algorithm.critic_lam"):
         v = get(cfg, key)
-        need(0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
+        need(v is None or 0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
+    need(al.lam_length_alpha is None or al.lam_length_alpha > 0, "algorithm.lam_length_alpha",
+         f"must be > 0 (VAPO uses 0.05), got {al.lam_length_alpha}")
+    need(al.gae_adv_norm in ("batch", "group"), "algorithm.gae_adv_norm",
+         f"must be batch or group, got {al.gae_adv_norm!r}")
+    if al.gae_adv_norm == "group":
+        need(n > 1, "algorithm.gae_adv_norm",
+             f"group normalisation compares the samples of a prompt: needs actor_rollout_ref.rollout.n > 1, got {n}")
+    if al.adv_estimator != "gae":
+        for key, default in (("critic_lam", None), ("lam_length_alpha", None), ("gae_adv_norm", "batch")):
+            if getattr(al, key) != default:
+                W.append(f"algorithm.{key}={getattr(al, key)!r} is read only by adv_estimator=gae "
+                         f"(this run uses {al.adv_estimator!r}): ignored")
     losses = _known("policy_loss")
     need(act.policy_loss.loss_mode in losses, A + "policy_loss.loss_mode",
          f"unknown policy loss {act.policy_loss.loss_mode!r}; registered: {', '.join(losses)}")

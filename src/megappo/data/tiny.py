@@ -25,18 +25,22 @@ def build_word_tokenizer(words):
     return fast
 
 
+TASKS = ("echo", "words", "pick_first", "copy")
+
+
 def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed: int = 0, arch: str = "qwen3",
                     task: str = "echo") -> dict:
     """Everything the CPU main job needs, built locally: a word tokenizer, a tiny random-init
     model folder (HF config, safetensors, tokenizer) and a synthetic task (``echo``: reward on one
-    token; ``words``: reward spread over the response, see megappo.rewards.synthetic).
+    token; ``words``, ``pick_first``, ``copy``: reward spread over the response, see
+    megappo.rewards.synthetic; the last two use a smaller model: vocabulary 64, 2 layers).
     Returns the paths {"model", "train", "test"}. Idempotent: existing files are kept."""
     import os
 
     import torch
 
     from megappo.data.preprocess import ECHO_WORDS, write_parquet
-    from megappo.rewards.synthetic import WORDS_VOCAB, make_echo_rows, make_words_rows
+    from megappo.rewards import synthetic
 
     model_dir = os.path.join(out_dir, "model")
     data_dir = os.path.join(out_dir, "data")
@@ -44,20 +48,26 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
              "test": os.path.join(data_dir, "test.parquet")}
     if arch not in ("qwen3", "qwen3_moe"):
         raise ValueError(f"make_tiny_setup: unknown arch {arch!r}; expected qwen3 or qwen3_moe")
-    if task not in ("echo", "words"):
-        raise ValueError(f"make_tiny_setup: unknown task {task!r}; expected echo or words")
+    if task not in TASKS:
+        raise ValueError(f"make_tiny_setup: unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if not os.path.isfile(paths["train"]):
         if task == "echo":
-            write_parquet(make_echo_rows(n_train, ECHO_WORDS, seed=seed), paths["train"])
-            write_parquet(make_echo_rows(n_test, ECHO_WORDS, seed=seed + 1), paths["test"])
+            make = lambda n, s: synthetic.make_echo_rows(n, ECHO_WORDS, seed=s)  # noqa: E731
+        elif task == "words":
+            make = lambda n, s: synthetic.make_words_rows(n, seed=s)  # noqa: E731
         else:
-            write_parquet(make_words_rows(n_train, seed=seed), paths["train"])
-            write_parquet(make_words_rows(n_test, seed=seed + 1), paths["test"])
+            source = synthetic.PICK_FIRST_SOURCE if task == "pick_first" else synthetic.COPY_SOURCE
+            make = lambda n, s: synthetic.make_token_rows(n, seed=s, source=source)  # noqa: E731
+        write_parquet(make(n_train, seed), paths["train"])
+        write_parquet(make(n_test, seed + 1), paths["test"])
     if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         from transformers import AutoModelForCausalLM, Qwen3Config
 
-        tok = build_word_tokenizer(["echo", ":"] + list(ECHO_WORDS) if task == "echo" else WORDS_VOCAB)
-        shape = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        words = {"echo": ["echo", ":"] + list(ECHO_WORDS), "words": synthetic.WORDS_VOCAB}.get(task, synthetic.TOKEN_WORDS)
+        tok = build_word_tokenizer(words)
+        small = task in ("pick_first", "copy")
+        shape = dict(vocab_size=64 if small else 128, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2 if small else 4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

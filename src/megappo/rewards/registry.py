@@ -49,6 +49,16 @@ def _words(solution, ground_truth, extra_info=None):
     return synthetic.words_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
 
 
+@register_reward(synthetic.PICK_FIRST_SOURCE)
+def _pick_first(solution, ground_truth, extra_info=None):
+    return synthetic.pick_first_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
+
+
+@register_reward(synthetic.COPY_SOURCE)
+def _copy(solution, ground_truth, extra_info=None):
+    return synthetic.copy_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
+
+
 def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 

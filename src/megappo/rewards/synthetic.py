@@ -69,3 +69,41 @@ def words_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
         raise ValueError(f"words task: unknown category {ground_truth!r}; expected one of {sorted(CATEGORIES)}")
     right = set(CATEGORIES[ground_truth])
     return sum(w in right for w in solution.split()[:max_words]) / max_words
+
+
+# Two tasks over the same 32 content words ``t10..t41``; a prompt is 8 random words (one user turn).
+# Both give a reward spread over the response (each right word adds 1/8), paid at the last token:
+#   pick_first: every response word should be the prompt's FIRST word;
+#   copy:       response word i should be prompt word i (a different target at every position).
+TOKEN_WORDS = [f"t{i}" for i in range(10, 42)]
+PICK_FIRST_SOURCE = "synthetic/pick_first"
+COPY_SOURCE = "synthetic/copy"
+
+
+def make_token_rows(n: int, seed: int, source: str, n_words: int = 8) -> list[dict]:
+    """Rows in verl's schema: the prompt is ``n_words`` random content words; the ground truth is
+    the prompt itself (both scorers read what they need from it)."""
+    if source not in (PICK_FIRST_SOURCE, COPY_SOURCE):
+        raise ValueError(f"make_token_rows: unknown source {source!r}; expected {PICK_FIRST_SOURCE} or {COPY_SOURCE}")
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        shown = " ".join(rnd.choice(TOKEN_WORDS) for _ in range(n_words))
+        rows.append({
+            "data_source": source,
+            "prompt": [{"role": "user", "content": shown}],
+            "ability": source.split("/")[1],
+            "reward_model": {"style": "rule", "ground_truth": shown},
+            "extra_info": {"index": i, "max_words": n_words},
+        })
+    return rows
+
+
+def pick_first_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
+    first = ground_truth.split()[0]
+    return sum(w == first for w in solution.split()[:max_words]) / max_words
+
+
+def copy_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
+    want = ground_truth.split()[:max_words]
+    return sum(a == b for a, b in zip(solution.split(), want)) / max_words

@@ -1,0 +1,169 @@
+"""GAE options for PPO with a critic: group normalisation, decoupled and length-adaptive lambda."""
+import pytest
+import torch
+
+from megappo import algo
+from megappo.algo.advantages import gae_reference
+
+
+def _batch(seed=0, groups=4, n=4, T=6):
+    g = torch.Generator().manual_seed(seed)
+    B = groups * n
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    rewards[torch.arange(B), lengths - 1] = torch.rand(B, generator=g, dtype=torch.float64).round(decimals=1)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 * mask
+    index = torch.arange(groups).repeat_interleave(n)
+    return rewards, values, mask, index
+
+
+def _group_reference(rewards, values, mask, index, gamma, lam, eps=1e-6):
+    """Per sample, by hand: (GAE + V(s_0) - group mean score) / group std; 0 for equal scores."""
+    adv, _ = gae_reference(rewards, values, mask, gamma, lam)
+    score = (rewards * mask).sum(-1)
+    out = torch.zeros_like(adv)
+    for i in range(len(score)):
+        members = score[index == index[i]]
+        mean, std = members.mean(), members.std()  # unbiased, as GRPO
+        if std > eps:
+            out[i] = (adv[i] + values[i, 0] - mean) / (std + eps) * mask[i]
+    return out
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.95, 0.0])
+def test_group_normalised_gae_matches_a_per_sample_loop(lam):
+    rewards, values, mask, index = _batch()
+    got, ret = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                       group_index=index, gamma=1.0, lam=lam, gae_adv_norm="group")
+    want = _group_reference(rewards, values, mask, index, 1.0, lam)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    # returns (the critic's targets) do not depend on the normalisation
+    torch.testing.assert_close(ret, gae_reference(rewards, values, mask, 1.0, lam)[1], rtol=1e-9, atol=1e-9)
+
+
+def test_group_normalised_gae_with_a_flat_critic_is_grpo():
+    """lambda = 1 and a constant value: the advantage is GRPO's, whatever the constant."""
+    rewards, values, mask, index = _batch(seed=1)
+    flat = torch.full_like(values, 0.37) * mask
+    got, _ = algo.compute_advantages("gae", token_level_rewards=rewards, values=flat, response_mask=mask,
+                                     group_index=index, gamma=1.0, lam=1.0, gae_adv_norm="group")
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    torch.testing.assert_close(got, grpo.to(got.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_a_critic_that_knows_each_prompts_outcome_does_not_reward_always_wrong_prompts():
+    """The collapse measured on pick-first: the policy is (nearly) deterministic per prompt, the
+    critic predicts each prompt's score with a small error, and batch whitening scales that error
+    to unit size: every response of the prompts the policy always gets wrong is pushed UP (the
+    policy locks in its wrong answers). Group normalisation gives those groups exactly 0 and
+    keeps the sign of real differences."""
+    T, n = 4, 4
+    mask = torch.ones(3 * n, T, dtype=torch.float64)
+    rewards = torch.zeros(3 * n, T, dtype=torch.float64)
+    index = torch.arange(3).repeat_interleave(n)
+    rewards[:n, -1] = 1.0                  # prompt 0: always right
+    rewards[n + 1:2 * n, -1] = 1.0         # prompt 1: one of four wrong (the informative group)
+    values = torch.empty(3 * n, T, dtype=torch.float64)
+    values[:n] = 1.03                      # overshoot on the right ones
+    values[n:2 * n] = 0.75
+    values[2 * n:] = -0.02                 # prompt 2: always wrong, predicted a little below 0
+    batch, _ = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                       group_index=index, gamma=1.0, lam=0.95, gae_adv_norm="batch")
+    group, _ = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                       group_index=index, gamma=1.0, lam=0.95, gae_adv_norm="group")
+    wrong = slice(2 * n, 3 * n)
+    assert batch[wrong].mean() > 0.05              # the defect: always-wrong answers reinforced
+    assert batch[:n].mean() < 0                    # and always-right ones punished
+    assert torch.count_nonzero(group[wrong]) == 0 and torch.count_nonzero(group[:n]) == 0
+    assert group[n].mean() < 0 < group[n + 1:2 * n].mean()   # the wrong sample of the mixed group is pushed down
+
+
+def test_decoupled_critic_lambda():
+    rewards, values, mask, index = _batch(seed=2)
+    adv, ret = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                       gamma=1.0, lam=0.9, critic_lam=1.0)
+    a09, _ = gae_reference(rewards, values, mask, 1.0, 0.9)
+    _, r1 = gae_reference(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv, algo.masked_whiten(a09, mask), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ret, r1, rtol=1e-9, atol=1e-9)
+    # lambda 1 returns are the Monte-Carlo returns-to-go (gamma 1): the critic target is unbiased
+    mc = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1]) * mask
+    torch.testing.assert_close(ret, mc, rtol=1e-9, atol=1e-9)
+
+
+def test_length_adaptive_lambda():
+    mask = torch.zeros(3, 200)
+    for i, length in enumerate((10, 40, 200)):
+        mask[i, :length] = 1
+    lam = algo.length_adaptive_lam(mask, alpha=0.05)
+    # 1 - 1/(0.05 l): l=10 -> -1 (clamped to 0), l=40 -> 0.5, l=200 -> 0.9
+    torch.testing.assert_close(lam, torch.tensor([0.0, 0.5, 0.9], dtype=torch.float64))
+    rewards, values, mask, index = _batch(seed=3, T=8)
+    per = algo.length_adaptive_lam(mask, alpha=0.5)
+    adv, ret = algo.gae_per_sample_lam(rewards, values, mask, 1.0, per)
+    for i in range(len(per)):
+        a, r = gae_reference(rewards[i:i + 1], values[i:i + 1], mask[i:i + 1], 1.0, float(per[i]))
+        torch.testing.assert_close(adv[i:i + 1], a, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(ret[i:i + 1], r, rtol=1e-9, atol=1e-9)
+    # through the estimator: the critic keeps algorithm.lam unless critic_lam says otherwise
+    got, ret2 = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                        gamma=1.0, lam=0.95, lam_length_alpha=0.5)
+    torch.testing.assert_close(got, algo.masked_whiten(adv, mask), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ret2, gae_reference(rewards, values, mask, 1.0, 0.95)[1], rtol=1e-9, atol=1e-9)
+
+
+def test_gae_adv_norm_errors():
+    rewards, values, mask, index = _batch()
+    with pytest.raises(ValueError, match="gae_adv_norm must be one of"):
+        algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                gae_adv_norm="token")
+    with pytest.raises(ValueError, match="needs group_index"):
+        algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                gae_adv_norm="group")
+
+
+def test_config_validation_of_the_gae_options():
+    from megappo.config import ConfigError, load_config, validate
+
+    def error(*overrides):
+        with pytest.raises(ConfigError) as ei:
+            validate(load_config(list(overrides), ("tiny_cpu",)))
+        return dict(ei.value.errors)
+
+    e = error("algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1")
+    assert "rollout.n > 1" in e["algorithm.gae_adv_norm"]
+    assert "batch or group" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "[0, 1]" in error("algorithm.critic_lam=1.5")["algorithm.critic_lam"]
+    assert "> 0" in error("algorithm.lam_length_alpha=0")["algorithm.lam_length_alpha"]
+    cfg = load_config(["algorithm.gae_adv_norm=group", "algorithm.critic_lam=1.0", "algorithm.lam_length_alpha=0.05"],
+                      ("tiny_cpu",))
+    validate(cfg)
+    assert (cfg.algorithm.gae_adv_norm, cfg.algorithm.critic_lam, cfg.algorithm.lam_length_alpha) == ("group", 1.0, 0.05)
+
+
+def test_equal_score_share():
+    """The share of the advantage on groups whose samples all scored alike, against a loop."""
+    rewards, values, mask, index = _batch(seed=4, groups=5, n=4)
+    rewards[:4] = 0.0                      # group 0: all alike
+    rewards[4:8, 0] = 0.5; rewards[4:8, 1:] = 0.0   # group 1: all alike (0.5 each)
+    adv = torch.randn(rewards.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    got = algo.equal_score_share(adv, rewards, mask, index)
+    a2 = (adv ** 2 * mask).sum(-1)
+    assert got == pytest.approx(float(a2[:8].sum() / a2.sum()), rel=1e-12)
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    assert algo.equal_score_share(grpo, rewards, mask, index) == 0.0
+
+
+def test_collapse_watch_names_the_failure_once():
+    from megappo.metrics import CollapseWatch
+
+    w = CollapseWatch()
+    msgs = [w.update({"actor/entropy": 4.0 - 0.3 * i, "critic/score/mean": 0.02,
+                      "critic/advantages/equal_score_share": 0.8}) for i in range(12)]
+    fired = [i for i, m in enumerate(msgs) if m]
+    assert fired == [9]   # entropy 1.3 < 2.0 after ten steps, score flat
+    assert "sharpening without learning" in msgs[9] and "equal_score_share 0.80" in msgs[9]
+    learning = CollapseWatch()   # entropy falls because the score rises: no warning
+    assert not any(learning.update({"actor/entropy": 4.0 - 0.3 * i, "critic/score/mean": 0.02 + 0.1 * i})
+                   for i in range(12))

@@ -1,0 +1,36 @@
+"""benchmarks/learning.py's bookkeeping: samples to target, the collapse flag, medians over seeds."""
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("learning_bench", REPO / "benchmarks" / "learning.py")
+learning = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(learning)
+
+
+def _curve(scores, entropies):
+    return [{"step": i + 1, "samples": 256 * (i + 1), "score": s, "seconds": float(i), "entropy": e}
+            for i, (s, e) in enumerate(zip(scores, entropies))]
+
+
+def test_samples_to_target_is_the_first_5_step_mean_at_target():
+    scores = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    r = learning.summarise(_curve(scores, [4.0] * 11), target=0.8, budget=10**9)
+    # running means: step 6 -> 0.2, 7 -> 0.4, 8 -> 0.6, 9 -> 0.8, 10 -> 1.0
+    assert r["samples_to_target"] == 256 * 9 and not r["collapsed"]
+    r = learning.summarise(_curve(scores, [4.0] * 11), target=0.81, budget=10**9)
+    assert r["samples_to_target"] == 256 * 10
+
+
+def test_collapse_flag():
+    flat = [0.02] * 20
+    assert learning.summarise(_curve(flat, [4.0 - 0.15 * i for i in range(20)]), 0.5, 10**9)["collapsed"]
+    assert not learning.summarise(_curve(flat, [4.0 - 0.05 * i for i in range(20)]), 0.5, 10**9)["collapsed"]
+    rising = [0.02 + 0.05 * i for i in range(20)]   # entropy falls because the policy learns
+    assert not learning.summarise(_curve(rising, [4.0 - 0.15 * i for i in range(20)]), 0.99, 10**9)["collapsed"]
+
+
+def test_median_counts_a_missed_target_as_infinite():
+    assert learning.median_spread([1000, None, 3000]) == (3000, 1000, None)
+    assert learning.median_spread([1000, None, None]) == (None, 1000, None)
+    assert learning.median_spread([2000, 1000, 3000]) == (2000, 1000, 3000)
