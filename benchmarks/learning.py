@@ -194,15 +194,10 @@ def summarise(curve: list[dict], target: float, budget: int) -> dict:
             hit = curve[i]
             break
     within = [r for r in curve if r["samples"] <= budget][-5:]
-    collapsed = False
-    ent = [r.get("entropy") for r in curve]
-    if curve and ent[0] is not None:
-        start = sum(r["score"] for r in curve[:5]) / len(curve[:5])
-        for i in range(4, len(curve)):
-            running = sum(r["score"] for r in curve[i - 4:i + 1]) / 5
-            if ent[i] is not None and ent[i] < 0.5 * ent[0] and running < 2 * max(start, 1e-3):
-                collapsed = True
-                break
+    from megappo.metrics import CollapseWatch   # the trainer's own rule, so the two cannot drift apart
+
+    watch = CollapseWatch()
+    collapsed = any(watch.update({"actor/entropy": r.get("entropy"), "critic/score/mean": r["score"]}) for r in curve)
     return {"samples_to_target": hit["samples"] if hit else None,
             "seconds_to_target": round(hit["seconds"], 1) if hit else None,
             "score_at_budget": round(sum(r["score"] for r in within) / len(within), 4) if within else None,
