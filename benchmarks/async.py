@@ -1,4 +1,4 @@
-"""Overlapped generation (issue 7/7): step time and tokens/s of one job on 2 CPU cores, placed three ways.
+"""Overlapped generation (split placement, one-step off-policy): step time and tokens/s of one job on 2 CPU cores, placed three ways.
 
     python benchmarks/async.py            # colocated, split synchronous, split one-step-off (~6 min on 2 cores)
     python benchmarks/async.py --quick    # 3 steps of one-step-off only: a smoke test of the harness
@@ -56,7 +56,7 @@ def rank_entry(overrides: list[str]) -> None:
     os.sched_setaffinity(0, {core % os.cpu_count()})
     torch.set_num_threads(1)
     if groups is not None and groups.role == "rollout":
-        from megappo.rollout.remote import serve
+        from megappo.trainer import serve
 
         serve(cfg, groups)
     else:

@@ -223,7 +223,9 @@ def parity(a, info, actor, cfg, device, dtype) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
 
     hf_device = device if torch.cuda.is_available() and device.type == "cuda" else torch.device("cpu")
     with torch.device(hf_device):  # random init straight on the GPU (its weights are overwritten below)

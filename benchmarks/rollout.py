@@ -158,7 +158,9 @@ def bench_generation(path, prompts, n, max_tokens, eager=True):
 def _sync_worker(rank, world, path, out_file):
     from mcore import build, setup
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
+    from megappo.convert import iter_hf_tensors, plan_shared_gather
+
+    from megappo.layout import RankCoords
     from megappo.rollout import VLLMRollout
 
     setup(2, 2)

@@ -1,4 +1,4 @@
-"""Builders: each component of a run from its config section (DESIGN.md section 4).
+"""Builders: each component of a run from its config section (docs/architecture.md).
 
 The trainer calls them in a fixed order: the rollout engine first (vLLM's start-up reseeds
 RNGs, and under the external launcher every rank must construct it at the same point), then the
@@ -44,7 +44,8 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     equals the actor's, validated; sequence parallelism, the seed and recomputation are the
     role's; ``checkpointing``: its model section's enable_gradient_checkpointing).
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.models import build_model as build_chunks
     from megappo.models import describe, load_hf_config, transformer_config
 

@@ -29,9 +29,10 @@ import os
 
 import torch
 
-from megappo.megatron_cpu import _CudaToCpu, _cpu_device
+from megappo.cuda_to_cpu import CudaToCpu, cpu_device
 
-__all__ = ["DeviceCheckError", "SimulatedCuda", "place", "install_collective_guard", "host_groups", "enabled_by_env"]
+__all__ = ["DeviceCheckError", "SimulatedCuda", "place", "install_collective_guard", "guard_installed",
+           "enabled_by_env"]
 
 HOST, DEVICE = "host", "device"
 _ATTR = "_megappo_place"
@@ -114,7 +115,7 @@ _DATA_SET = torch.Tensor.data.__set__       # `param.data = moved`: the paramete
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__
 
 
-class SimulatedCuda(_CudaToCpu):
+class SimulatedCuda(CudaToCpu):
     """The CUDA-to-CPU rewrite of megatron_cpu, keeping track of what would live on the GPU."""
 
     def __init__(self, tensor_type: bool, index: int):
@@ -155,7 +156,7 @@ class SimulatedCuda(_CudaToCpu):
             return self._to(func, args, kwargs)
         if "device" in kwargs and kwargs["device"] is not None:  # factories, *_like, new_*, as_tensor
             target = DEVICE if _is_cuda(kwargs["device"]) else HOST
-            kwargs["device"] = _cpu_device(kwargs["device"])
+            kwargs["device"] = cpu_device(kwargs["device"])
             ins = _tensors(args, [])
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):
@@ -194,9 +195,9 @@ class SimulatedCuda(_CudaToCpu):
             rest[0] = other.dtype
         elif rest and _is_device_arg(rest[0]) and not isinstance(rest[0], torch.dtype):
             target = rest[0]
-            rest[0] = _cpu_device(rest[0])
+            rest[0] = cpu_device(rest[0])
         if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
+            kwargs["device"] = cpu_device(kwargs["device"])
         out = func(src, *rest, **kwargs)
         if target is None:  # dtype only: stays where it is
             if place(out) is None:
@@ -217,8 +218,9 @@ _GUARDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_b
 _installed = False
 
 
-def host_groups() -> frozenset:
-    return frozenset(_host_groups)
+def guard_installed() -> bool:
+    """True once :func:`install_collective_guard` ran (this process runs under the check)."""
+    return _installed
 
 
 def _group_kind(group) -> str:

@@ -1,8 +1,8 @@
 """Run megatron-core 0.16.1 on CPU (gloo): the whole adaptation, in one place.
 
 megatron-core has no CPU mode; it calls CUDA APIs in many places. ``install()`` is called once,
-first thing, when ``trainer.device=cpu``; nothing else in megappo knows about it, and on GPU it
-is never imported. Each piece is independent so tests can show it is needed (megatron fails
+first thing, when ``trainer.device=cpu`` (by the trainer, the checkpoint converter and the
+conversion check, which build megatron models); on GPU it is never imported. Each piece is independent so tests can show it is needed (megatron fails
 without it) and that it works (megatron runs with it):
 
 - ``rng``:    model_parallel_cuda_manual_seed and the RNG tracker get/set the CUDA generator;
@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from megappo.cuda_to_cpu import CudaToCpu
 
 __all__ = ["PIECES", "install", "installed"]
 
@@ -51,41 +52,7 @@ def device_check_on() -> bool:
     """True when this process runs under the CPU device check (simulated CUDA device)."""
     from megappo import device_check
 
-    return device_check._installed
-
-
-def _cpu_device(d):
-    if isinstance(d, torch.device):
-        return torch.device("cpu") if d.type == "cuda" else d
-    if isinstance(d, str):
-        return "cpu" if d.startswith("cuda") else d
-    if isinstance(d, int) and not isinstance(d, bool):
-        return "cpu"  # an integer device is a CUDA ordinal
-    return d
-
-
-class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA devices to the CPU for every torch call made while it is active."""
-
-    def __init__(self, devices: bool, tensor_type: bool):
-        super().__init__()
-        self.devices = devices
-        self.tensor_type = tensor_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.type and self.tensor_type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-        if not self.devices:
-            return func(*args, **kwargs)
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], _cpu_device(args[1])) + tuple(args[2:])
-        return func(*args, **kwargs)
+    return device_check.guard_installed()
 
 
 def _install_rng() -> None:
@@ -120,7 +87,7 @@ def _install_mode(devices: bool, tensor_type: bool, check_devices: bool = False)
     else:
         if devices:
             torch.cuda.current_device = lambda: 0
-        _mode_factory = lambda: _CudaToCpu(devices, tensor_type)  # noqa: E731
+        _mode_factory = lambda: CudaToCpu(devices, tensor_type)  # noqa: E731
     _mode_factory().__enter__()  # global for this thread, for the life of the process
 
 
@@ -129,7 +96,7 @@ def _install_backward() -> None:
     original = BackwardCFunction.apply
 
     def apply(self, *args):
-        mode = _mode_factory() if _mode_factory is not None else _CudaToCpu(False, False)
+        mode = _mode_factory() if _mode_factory is not None else CudaToCpu(False, False)
         with mode:
             return original(self, *args)
 

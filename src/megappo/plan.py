@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from megappo.models.hf import padded_vocab_size   # megatron's padding (128 x TP), as the models are built
+from megappo.models import padded_vocab_size  # megatron's padding (128 x TP), as the models are built
 
 GiB = 2**30
 RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
@@ -300,7 +300,8 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
 
 def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptions:
     """PlanOptions of a PPOConfig (the same keys the trainer reads)."""
-    from megappo.config import critic_enabled, parallel_layout
+    from megappo.config import critic_enabled
+    from megappo.layout import parallel_layout
 
     arr, c, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
     act, ro, m = arr.actor, arr.rollout, arr.actor.megatron

@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 
-from megappo.config import (ConfigError, PPOConfig, all_keys, load_config, parallel_layout, source_of, to_yaml,
+from megappo.layout import parallel_layout
+from megappo.config import (ConfigError, PPOConfig, all_keys, load_config, source_of, to_yaml,
                             validate)
 
 
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
 
         groups = split.current()
         if groups is not None and groups.role == "rollout":   # the split placement's rollout ranks
-            from megappo.rollout.remote import serve
+            from megappo.trainer import serve
 
             serve(cfg, groups)
         else:

@@ -16,7 +16,8 @@ def setup(tp, pp, vpp=None, seed=7):
 def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_head_std=None):
     """A critic gets a random head (std 1/sqrt(hidden + 1) unless given) so that tests of its
     alignment and gradients see non-zero values; the trainer's default head starts at zero."""
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     info = describe(load_hf_config(path), tp=tp, value_head=value_head)

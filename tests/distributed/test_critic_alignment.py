@@ -2,7 +2,7 @@
 transformers), GAE's returns line up with the response tokens, and a fresh critic (the trainer's
 zero-initialised head) fits a constant return in a few updates.
 
-Why this matters (issue 2/7): a value head whose outputs start far larger than the early returns
+Why this matters: a value head whose outputs start far larger than the early returns
 drowns the GAE advantage in the critic's noise; the trainer's head therefore starts at zero, so
 that at step 1 the advantage IS the (lambda-)return. tests/e2e/test_trainer.py checks that
 consequence on the main job (advantage/return correlation 1 at step 1)."""

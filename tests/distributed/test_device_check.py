@@ -127,7 +127,7 @@ def _planted_worker(rank, world, path):
     from megappo.metrics import data_metrics
     from megappo.models import layers
     from megappo.workers import Actor, Critic
-    from megappo.workers.megatron_worker import MegatronWorker
+    from megappo.workers import MegatronWorker
 
     info, cfg, chunks = build(path, 1, 1, cpu=False)
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.1, optimizer="sgd",

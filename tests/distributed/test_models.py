@@ -71,7 +71,9 @@ def _roundtrip_and_critic_worker(rank, world, dirs):
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
 
     # HF -> Megatron (TP2PP2) -> per-tensor generator -> HF: bit for bit, on every rank
     for arch in ARCHS:
@@ -122,7 +124,8 @@ def _check_shared_gather(chunks, info, original, arch):
     import torch.distributed as dist
 
     from megappo.convert import shm
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
+    from megappo.convert import iter_hf_tensors, plan_shared_gather
+    from megappo.layout import RankCoords
 
     coords = RankCoords.from_megatron()
     shared = plan_shared_gather(chunks, info.desc, coords)

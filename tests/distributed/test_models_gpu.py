@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 def test_te_spec_actor_matches_transformers_on_cuda(arch, tmp_path):
     import torch.distributed as dist
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, load_hf_weights
+    from megappo.convert import iter_hf_tensors, load_hf_weights
+
+    from megappo.layout import RankCoords
     from megappo.distributed import log_probs_from_logits
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, te_available, transformer_config
 

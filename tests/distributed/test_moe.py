@@ -1,4 +1,4 @@
-"""Qwen3-MoE as a megatron MoE GPTModel (issue 6/7, first slice): built from the HF config (router
+"""Qwen3-MoE as a megatron MoE GPTModel: built from the HF config (router
 renormalisation, dense and expert layers mixed by mlp_only_layers), each expert-parallel rank
 loading only its experts from the HF checkpoint, HF -> megatron -> HF bit-exact (experts gathered
 over the EP group), and per-token log-probs equal to transformers' at EP1, EP2, TP2 x EP2
@@ -24,7 +24,9 @@ def _worker(rank, world, path, tp, pp, ep):
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, transformer_config
 
     initialize_parallel(tp, pp, ep=ep)
@@ -41,7 +43,7 @@ def _worker(rank, world, path, tp, pp, ep):
     load_hf_weights(chunks, path, info.desc, coords)
     # megatron -> HF: every tensor of the checkpoint back, bit for bit, on every rank (experts from
     # the EP rank holding them, layers from their stage)
-    from megappo.convert.hf_io import SafetensorsCheckpoint, iter_hf_tensors
+    from megappo.convert import SafetensorsCheckpoint, iter_hf_tensors
 
     ckpt = SafetensorsCheckpoint(path)
     out = dict(iter_hf_tensors(chunks, info.desc, coords))
@@ -79,7 +81,9 @@ def _grad_worker(rank, world, path, ep):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from megappo.convert.hf_io import RankCoords, load_hf_weights, local_params
+    from megappo.convert import load_hf_weights, local_params
+
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, transformer_config
 
     initialize_parallel(1, 1, ep=ep)

@@ -1,4 +1,4 @@
-"""Checkpoints and converters of Qwen3-MoE actors with expert parallelism (issue 6/7).
+"""Checkpoints and converters of Qwen3-MoE actors with expert parallelism.
 
 An actor (Adam; distributed optimizer on and off) trained two steps on the tiny MoE at EP2
 (world 2, TP1) is saved and loaded (a) at EP2 again, (b) at EP1 on the same two ranks, (c) at
@@ -35,7 +35,8 @@ _IDS = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(17
 def _actor(path, tp, ep, dist_opt=None, weights=True, pp=1):
     """The MoE actor at TP x PP x EP (sequence parallel with TP > 1), with the HF weights unless
     not ``weights``; no optimizer when ``dist_opt`` is None."""
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, transformer_config
     from megappo.workers import Actor
 
@@ -51,7 +52,8 @@ def _actor(path, tp, ep, dist_opt=None, weights=True, pp=1):
 
 def _hf(actor, info):
     """Every HF tensor of the model, full, on every rank (experts from their EP rank)."""
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+    from megappo.layout import RankCoords
 
     return {k: v.clone() for k, v in iter_hf_tensors(actor.chunks, info.desc, RankCoords.from_megatron())}
 
@@ -141,7 +143,8 @@ def _save_at_ep2(rank, world, src, root):
         out[name] = r
     # a critic on the MoE backbone (random value head, no optimizer): its values on fixed tokens
     from megappo.models import build_model, describe, load_hf_config, transformer_config
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.workers import Critic
     from mcore import run_schedule
 
@@ -166,7 +169,7 @@ def _load_at_tp2ep2(rank, world, src, src8, imported, root):
 
     megatron_cpu.install()
     from megappo.checkpoint import CheckpointError, load_checkpoint, load_worker, save_checkpoint
-    from megappo.convert.hf_io import SafetensorsCheckpoint
+    from megappo.convert import SafetensorsCheckpoint
 
     out = {}
     for name, dist_opt in VARIANTS:

@@ -1,4 +1,4 @@
-"""Qwen3-MoE weight sync into vLLM (issue 6/7): a megatron MoE actor at TP2 x EP2 (sequence
+"""Qwen3-MoE weight sync into vLLM: a megatron MoE actor at TP2 x EP2 (sequence
 parallel) on 4 processes, two in-process vLLM replicas of TP2 (external launcher). After real Adam
 steps through megatron's DDP and distributed optimizer, a sync (one reload call per decoder layer)
 leaves the engine's log-probs of its greedy tokens equal to the actor's and to transformers' on the
@@ -26,7 +26,7 @@ def _hf_model(chunks, info, path, coords):
     """transformers model holding the actor's current weights (experts gathered over EP). Collective."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megappo.convert.hf_io import iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
 
     sd = dict(iter_hf_tensors(chunks, info.desc, coords))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
@@ -68,10 +68,11 @@ def _worker(rank, world, path):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import megappo.rollout.engine as engine_mod
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, load_hf_weights, plan_shared_gather
+    from megappo.convert import iter_hf_tensors, load_hf_weights, plan_shared_gather
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, initialize_parallel, load_hf_config, transformer_config
     from megappo.rollout import VLLMRollout
-    from megappo.rollout.shard_sync import plan_for_engine
+    from megappo.sync import plan_for_engine
 
     tp, ep = 2, 2
     initialize_parallel(tp, 1, ep=ep)

@@ -1,4 +1,4 @@
-"""Training Qwen3-MoE under TP x EP and PP x EP (issue 6/7), on 4 processes per layout, each
+"""Training Qwen3-MoE under TP x EP and PP x EP, on 4 processes per layout, each
 against transformers computing the same thing another way:
 
 - one backward through megatron's schedule, DDP and finalize_model_grads: every parameter's
@@ -27,7 +27,8 @@ AUX, Z = 0.01, 0.001
 
 
 def _build(path, tp, pp, ep, value_head=False, moe=None):
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.models import MoEOptions, build_model, describe, load_hf_config, transformer_config
 
     info = describe(load_hf_config(path), tp=tp, value_head=value_head)
@@ -65,7 +66,9 @@ def _gradients(path, tp, pp, ep, info, cfg, chunks, batches):
                                            finalize_model_grads)
     from transformers import AutoModelForCausalLM
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
     from megappo.distributed import log_probs_from_logits
     from mcore import run_schedule
 
@@ -161,7 +164,9 @@ def _critic(path, tp, pp, ep):
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
     from megappo.workers import Critic
 
     info, cfg, chunks = _build(path, tp, pp, ep, value_head=True)

@@ -24,7 +24,9 @@ VARIANTS = {"none": None, "full_uniform_1": ("full", "uniform", 1), "full_block_
 def _worker(rank, world, path, out_dir):
     from megatron.core import parallel_state as ps
 
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+
+    from megappo.layout import RankCoords
     from megappo.distributed import log_probs_from_logits
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 

@@ -21,7 +21,9 @@ def _exported_hf_model(chunks, info, path):
     """transformers model holding the actor's current weights, via the per-tensor generator."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
 
     sd = dict(iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron()))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
@@ -70,7 +72,9 @@ def _worker(rank, world, path):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors, plan_shared_gather
+    from megappo.convert import iter_hf_tensors, plan_shared_gather
+
+    from megappo.layout import RankCoords
     from megappo.rollout import VLLMRollout
 
     info, cfg, chunks = build(path, 2, 2)

@@ -34,10 +34,13 @@ def _worker(rank, world, path, vocab_direct):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
-    from megappo.convert.names import param_maps
+    from megappo.convert import iter_hf_tensors
+
+    from megappo.layout import RankCoords
+    from megappo.convert import param_maps
     from megappo.rollout import VLLMRollout
-    from megappo.rollout.shard_sync import iter_sync_tensors, plan_for_engine
+    from megappo.convert import iter_sync_tensors
+    from megappo.sync import plan_for_engine
 
     # What a job killed mid-run leaves behind under vLLM's own names: the engine must still start.
     stale = [f"/dev/shm/-tp:0-[{a}-{a + 1}]-cpushm_{r}" for a in (0, 2) for r in (0, 1)]

@@ -64,7 +64,8 @@ def _train(groups, path, rollout_tp):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megappo.batch import RolloutBatch
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+    from megappo.layout import RankCoords
     from megappo.distributed.split import receive_object, send_weights
 
     setup(2, 1)  # megatron_cpu.install(), then megatron's parallel state over the default group
@@ -150,7 +151,7 @@ def _rollout(groups, path, rollout_tp):
         engine.sync_weights(p for b in buckets for p in b)
         assert groups.weights_version_received == version
 
-    def generate_and_send():   # as megappo.rollout.remote.serve: gathered over the rollout group, sent by its first rank
+    def generate_and_send():   # as megappo.trainer.serve: gathered over the rollout group, sent by its first rank
         out = gather_outputs(engine.generate(prompts[sl], greedy), sl.start, rollout_tp, engine.pad_token_id)
         if groups.bridge_rank == 1:
             send_object(groups, RolloutBatch.from_prompts_and_responses(

@@ -53,7 +53,8 @@ def _budgets(lengths):
 
 def _hf(chunks, info):
     """Full HF-named tensors (layout-independent), on every rank."""
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+    from megappo.layout import RankCoords
 
     return {n: t.detach().clone() for n, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron())}
 

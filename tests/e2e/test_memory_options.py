@@ -1,4 +1,4 @@
-"""Memory options end to end (issue 4/7): a PPO run with a critic and a reference, everything
+"""Memory options end to end: a PPO run with a critic and a reference, everything
 offloaded while idle and activations recomputed, gives the metrics of the same run without them
 (2 processes, DP2, 3 steps, with a checkpoint saved while the state is offloaded)."""
 import json

@@ -1,4 +1,4 @@
-"""PPO on a tiny Qwen3-MoE end to end (issue 6/7): the trainer at TP2 x EP2 on 4 CPU processes
+"""PPO on a tiny Qwen3-MoE end to end: the trainer at TP2 x EP2 on 4 CPU processes
 (actor, reference and critic on the MoE backbone, vLLM TP2 receiving the experts every step), a
 checkpoint at step 2, and a run resumed from it whose step 3 repeats the uninterrupted run's; all
 under the CPU device check."""

@@ -18,17 +18,18 @@ def _worker(rank, world, model, train, run_dir, extra):
 
     from megappo.config import load_config, validate
     from megappo.trainer import PPOTrainer, init_distributed
+    from megappo.trainer.generation import Generation
 
-    original = PPOTrainer.rollout
+    original = Generation.rollout
 
-    def perturbed(self, items, sampling, salt=0, offset=0):
-        batch, its = original(self, items, sampling, salt, offset)
-        g = torch.Generator().manual_seed(self.step_no)
+    def perturbed(self, items, sampling, step, salt=0, offset=0):
+        batch, its = original(self, items, sampling, step, salt, offset)
+        g = torch.Generator().manual_seed(step)
         noise = 0.5 * torch.randn(batch.rollout_log_probs.shape, generator=g)
         batch.rollout_log_probs = (batch.rollout_log_probs + noise) * batch.response_mask
         return batch, its
 
-    PPOTrainer.rollout = perturbed
+    Generation.rollout = perturbed
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
                        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=8",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.logger=[file]",

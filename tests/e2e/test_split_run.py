@@ -1,4 +1,4 @@
-"""The split placement end to end (issue 7/7) on the tiny echo task: 2 training ranks and 2 rollout
+"""The split placement end to end on the tiny echo task: 2 training ranks and 2 rollout
 ranks in one job. Synchronous, it trains exactly as the colocated run on 2 ranks (every metric but
 timings); one-step off-policy (tiny words task), step 1 trains on a batch of the initial weights and every later step
 on a batch of the weights one update behind (training/weight_version_lag, and the engine's
@@ -44,7 +44,7 @@ def _run(rank, world, setup, run_dir, steps, extra, port=None):
 
     groups = split.current()
     if groups is not None and groups.role == "rollout":
-        from megappo.rollout.remote import serve
+        from megappo.trainer import serve
 
         serve(cfg, groups)
     else:

@@ -56,7 +56,7 @@ def test_tiny_cpu_main_job(tmp_path):
     score = [r["critic/score/mean"] for r in train]
     assert sum(score[:3]) / 3 < 0.2, score[:3]           # near chance: ~1/128 tokens is right
     assert sum(score[-5:]) / 5 >= 0.8, score[-5:]
-    # The value head starts at zero (issue 2/7): at step 1 every value is 0, so the GAE advantage
+    # The value head starts at zero: at step 1 every value is 0, so the GAE advantage
     # is exactly the lambda-return (correlation 1) and explains none of its variance. A random
     # head of std 1/sqrt(hidden) gave values of std ~1 against returns of std ~0.1 and a
     # correlation of ~0.03: the actor then followed the critic's noise.
@@ -114,12 +114,13 @@ def _grpo_worker(rank, world, model, train, test, run_dir):
 
     sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, 6, validation=True)
     items = [trainer.val_data[i] for i in range(20)]
-    one, _ = trainer.rollout(items, sampling, salt=1)
-    parts = [trainer.rollout(items[lo:lo + 7], sampling, salt=1, offset=lo)[0] for lo in range(0, 20, 7)]
+    gen, step = trainer.generation, trainer.step_no
+    one, _ = gen.rollout(items, sampling, step, salt=1)
+    parts = [gen.rollout(items[lo:lo + 7], sampling, step, salt=1, offset=lo)[0] for lo in range(0, 20, 7)]
     got = torch.cat([torch.nn.functional.pad(p.responses, (0, one.responses.shape[1] - p.responses.shape[1]))
                      for p in parts])
     assert torch.equal(got, one.responses)   # the same samples, drawn in three calls
-    again, _ = trainer.rollout(items, sampling, salt=2)
+    again, _ = gen.rollout(items, sampling, step, salt=2)
     assert not torch.equal(again.responses, one.responses)   # (sampling is really on)
 
 
@@ -273,7 +274,7 @@ def _checked_worker(rank, world, model, train, test, run_dir):
                        "algorithm.use_kl_in_reward=true", "data.max_prompt_length=16", "data.max_response_length=6",
                        "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2",
                        "trainer.test_freq=2",
-                       # issue 5/7's device-side pieces: Clip-Cov's mini-batch selection (a forward
+                       # the device-side pieces of the policy losses: Clip-Cov's mini-batch selection (a forward
                        # pass and DP collectives in the worker), rollout IS weights and rejection
                        "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
                        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.05",

@@ -162,7 +162,8 @@ def make_batch(seed: int = 0):
 def build(path: str, device: torch.device, dtype: torch.dtype, use_te: bool, value_head: bool = False):
     """(info, TransformerConfig, chunks) of the HF folder ``path``; parameters where megatron
     puts them for ``device`` (the current CUDA device, or the CPU)."""
-    from megappo.convert.hf_io import RankCoords, load_hf_weights
+    from megappo.convert import load_hf_weights
+    from megappo.layout import RankCoords
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     ensure_parallel()
@@ -562,7 +563,8 @@ def check_hf_export(root, device: torch.device, dtype: torch.dtype, use_te: bool
     from safetensors.torch import load_file
 
     from megappo.checkpoint import save_checkpoint
-    from megappo.convert.hf_io import RankCoords, iter_hf_tensors
+    from megappo.convert import iter_hf_tensors
+    from megappo.layout import RankCoords
 
     dirs = model_dirs(root)
     src = dirs["policy_bf16"] if dtype == torch.bfloat16 else dirs["policy"]

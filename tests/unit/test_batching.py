@@ -21,7 +21,8 @@ def test_token_budget_micro_batches():
 def test_balanced_partition_and_dealing():
     import random
 
-    from megappo.workers.batching import balanced_partition, deal_to_dp
+    from megappo.workers.batching import balanced_partition
+    from megappo.workers import deal_to_dp
 
     rnd = random.Random(0)
     lengths = [rnd.randint(10, 2000) for _ in range(64)]
@@ -128,7 +129,8 @@ def test_each_pass_reads_its_own_keys():
     """verl's keys per pass: the reference and value passes and the critic's mini-batches have
     their own settings (they used to follow the rollout's and the actor's)."""
     from megappo.config import load_config
-    from megappo.workers.batching import MicroBatching, PassBatching
+    from megappo.workers.batching import MicroBatching
+    from megappo.workers import PassBatching
 
     A, R, F = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
     cfg = load_config([A + "ppo_micro_batch_size_per_gpu=1", R + "log_prob_micro_batch_size_per_gpu=2",

@@ -69,7 +69,7 @@ VERL_DEFAULTS = {
     "actor_rollout_ref.rollout.top_k": -1,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
-    "actor_rollout_ref.rollout.enforce_eager": None,   # verl: true; megappo: CUDA graphs on GPU, eager on CPU (4/7)
+    "actor_rollout_ref.rollout.enforce_eager": None,   # verl: true; megappo: CUDA graphs on GPU, eager on CPU
     "actor_rollout_ref.rollout.free_cache_engine": True,
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 16384,
     "actor_rollout_ref.rollout.val_kwargs.temperature": 0.0,
@@ -804,7 +804,9 @@ def test_parallel_config_validates(path):
     validate(cfg, world_size=world)
     # each preset states its layout explicitly, not by accident of the defaults
     assert "megatron" in raw["actor_rollout_ref"]["actor"]
-    lay = C.parallel_layout(cfg)
+    from megappo.layout import parallel_layout
+
+    lay = parallel_layout(cfg)
     assert lay.tp * lay.pp * lay.dp == world
 
 

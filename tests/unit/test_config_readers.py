@@ -1,5 +1,5 @@
 """Every config field has a reader in the program: a key that validates and is documented but
-that nothing reads would silently do nothing (issue 3/7 found ~20 such keys).
+that nothing reads would silently do nothing (a review once found ~20 such keys).
 
 The check reads the source: attribute chains from the config (``cfg.critic.ppo_mini_batch_size``,
 ``self.cfg...``) through local aliases (``arr = cfg.actor_rollout_ref``, tuple assignments,
@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from megappo import config as C
+from megappo.config import schema as S
 
 SRC = Path(C.__file__).resolve().parent.parent          # src/megappo
 CONFIG_HELPERS = {"critic_enabled", "parallel_layout"}   # megappo.config functions the trainer calls
@@ -23,8 +24,8 @@ def _section_paths() -> dict[str, list[str]]:
     def walk(cls, prefix):
         out.setdefault(cls.__name__, []).append(prefix.rstrip("."))
         for f in dataclasses.fields(cls):
-            tp = C._hints(cls)[f.name]
-            if C._is_section(tp):
+            tp = S._hints(cls)[f.name]
+            if S._is_section(tp):
                 walk(tp, prefix + f.name + ".")
 
     walk(C.PPOConfig, "")
@@ -103,18 +104,18 @@ def test_the_check_sees_a_key_nothing_reads(tmp_path, monkeypatch):
     """The check can fail: a key added to the schema with no reader is reported."""
     @dataclasses.dataclass
     class Extra(C.TrainerConfig):
-        nobody_reads_me: int = C._f(0, "test only")
+        nobody_reads_me: int = S._f(0, "test only")
 
-    hints = dict(C._hints(C.PPOConfig), trainer=Extra)
-    monkeypatch.setitem(C._HINTS, C.PPOConfig, hints)
+    hints = dict(S._hints(C.PPOConfig), trainer=Extra)
+    monkeypatch.setitem(S._HINTS, C.PPOConfig, hints)
     keys = C.all_keys()
     assert "trainer.nobody_reads_me" in keys
     assert "trainer.nobody_reads_me" not in program_reads()
 
 
 def test_the_step_reads_like_the_algorithm():
-    """PPOTrainer.step stays short enough to read as DESIGN.md's data flow (issue 3/7: <= 60
-    lines); the stages live in their own methods."""
-    tree = ast.parse((SRC / "trainer.py").read_text())
+    """PPOTrainer.step stays short enough to read as the architecture document's data flow
+    (<= 60 lines); the phases live in their own modules."""
+    tree = ast.parse((SRC / "trainer" / "ppo.py").read_text())
     step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step")
     assert step.end_lineno - step.lineno + 1 <= 60

@@ -6,9 +6,10 @@ import sys
 import pytest
 import torch
 
-from megappo import convert
-from megappo.convert.hf_io import WeightLoadError, load_hf_weights
-from megappo.convert.names import ModelDesc, hf_shapes
+from megappo import convert, layout
+from megappo.convert import WeightLoadError, load_hf_weights
+from megappo.convert import hf_shapes
+from megappo.models import ModelDesc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_models import hf_config, save_tiny_model  # noqa: E402
@@ -95,22 +96,22 @@ def test_layer_placement_matches_megatron(pp, vpp):
     L = 16
     cfg = TransformerConfig(num_layers=L, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
                             virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
-    n = convert.layers_per_chunk(L, pp, vpp)
+    n = layout.layers_per_chunk(L, pp, vpp)
     seen = set()
     for r in range(pp):
         for v in range(vpp or 1):
             offset = get_transformer_layer_offset(cfg, vp_stage=v if vpp else None, pp_rank=r)
             for local in range(n):
-                g = convert.global_layer(r, v, local, L, pp, vpp)
+                g = layout.global_layer(r, v, local, L, pp, vpp)
                 assert g == offset + local
-                assert convert.layer_owner(g, L, pp, vpp) == (r, v, local)
+                assert layout.layer_owner(g, L, pp, vpp) == (r, v, local)
                 name, where = convert.to_local_name(f"decoder.layers.{g}.mlp.linear_fc1.weight", L, pp, vpp)
                 assert name == f"decoder.layers.{local}.mlp.linear_fc1.weight" and where == (r, v)
                 assert convert.to_global_name(name, r, v, L, pp, vpp) == f"decoder.layers.{g}.mlp.linear_fc1.weight"
                 seen.add(g)
     assert seen == set(range(L))
     with pytest.raises(ValueError, match=r"num_hidden_layers \(16\) must be divisible .* \(3 x 1 = 3\)"):
-        convert.layers_per_chunk(16, 3, None)
+        layout.layers_per_chunk(16, 3, None)
 
 
 def test_param_maps_local_and_te_names():
@@ -147,7 +148,8 @@ def test_to_megatron_to_hf_roundtrip():
 def test_shards_written_into_hf_tensors_equal_gather_then_split(tp, value_head):
     """shard_into_hf (each rank writes its piece in place) == to_hf(tp_gather(pieces)), the
     independent reference; padding rows of the vocabulary are dropped, never written."""
-    from megappo.convert.parallel import shard_into_hf, tp_gather, tp_shard
+    from megappo.convert.parallel import shard_into_hf
+    from megappo.convert import tp_gather, tp_shard
 
     d = desc(value_head=value_head)
     g = torch.Generator().manual_seed(2)
@@ -164,7 +166,8 @@ def test_shards_written_into_hf_tensors_equal_gather_then_split(tp, value_head):
 
 
 def test_shard_into_hf_qkv_at_tp4():
-    from megappo.convert.parallel import shard_into_hf, tp_shard
+    from megappo.convert.parallel import shard_into_hf
+    from megappo.convert import tp_shard
 
     d = desc(num_heads=8, num_groups=4)
     pm = next(p for p in convert.param_maps(d) if p.kind == "qkv")
@@ -260,7 +263,7 @@ def test_sharded_checkpoint_index(saved, tmp_path):
         save_file({n: tensors[n] for n in part}, str(out / fname))
         weight_map.update({n: fname for n in part})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    from megappo.convert.hf_io import SafetensorsCheckpoint
+    from megappo.convert import SafetensorsCheckpoint
 
     ck = SafetensorsCheckpoint(str(out))
     assert ck.names() == set(names)

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megappo.data import DataError, PromptDataset, PromptSampler, build_word_tokenizer, dp_slice, tokenize_prompt
+from megappo.data import DataError, PromptDataset, PromptSampler, build_word_tokenizer, tokenize_prompt
 from megappo.data import preprocess
 from megappo.rewards import score_batch
 
@@ -167,9 +167,6 @@ def test_sampler_epochs_shuffle_and_resume():
     assert PromptSampler(5, 5, shuffle=False).next_batch() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="train_batch_size=8 is larger than the dataset"):
         PromptSampler(5, 8)
-    assert dp_slice(list(range(8)), 1, 4) == [2, 3]
-    with pytest.raises(ValueError, match="do not split evenly"):
-        dp_slice(list(range(6)), 0, 4)
 
 
 def test_preprocess_gsm8k_and_reward(tok, tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megappo import algo
-from megappo.algo.advantages import gae_reference
+from megappo.algo import gae_reference
 
 
 def _batch(seed=0, groups=4, n=4, T=6):

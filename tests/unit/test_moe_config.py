@@ -1,4 +1,4 @@
-"""Qwen3-MoE configs (issue 6/7, first slice): what describe() reads, what megatron's config gets,
+"""Qwen3-MoE configs: what describe() reads, what megatron's config gets,
 the shipped Qwen3-30B-A3B config, each role's router settings, and TE's grouped expert names."""
 import json
 import os
@@ -91,8 +91,10 @@ def test_te_grouped_expert_names_map_to_global_experts():
     follow, as for SequentialMLP's local_experts.L."""
     import torch.nn as nn
 
-    from megappo.convert.hf_io import RankCoords, local_params
-    from megappo.convert.names import param_maps
+    from megappo.convert import local_params
+
+    from megappo.layout import RankCoords
+    from megappo.convert import param_maps
     from megappo.models import describe
 
     desc = describe(hf_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[0])).desc
@@ -102,7 +104,7 @@ def test_te_grouped_expert_names_map_to_global_experts():
         "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].hf == (
         "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
     assert te["decoder.layers.1.mlp.experts.linear_fc2.weight0"].expert == 0
-    from megappo.convert.names import full_shape, hf_shapes
+    from megappo.convert import full_shape, hf_shapes
 
     for name in ("decoder.layers.1.mlp.experts.linear_fc2.weight2", "decoder.layers.1.mlp.experts.linear_fc1.weight2"):
         assert full_shape(te[name], desc) == full_shape(local[name.replace("experts.", "experts.local_experts.2.")

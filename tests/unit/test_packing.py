@@ -5,7 +5,7 @@ TransformerEngine, tests/gpu)."""
 import pytest
 import torch
 
-from megappo.workers.megatron_worker import Actor, MegatronWorker
+from megappo.workers import Actor, MegatronWorker
 from megappo.workers.packing import pack
 
 PAD = 0

@@ -9,6 +9,8 @@ import typing
 import pytest
 
 from megappo import config as C
+from megappo.config import parse as P
+from megappo.config import schema as S
 from megappo.config import ConfigError, load_config, validate
 from megappo.rewards import RewardFunctionError, load_custom_reward, score_batch
 
@@ -127,7 +129,7 @@ def test_reward_file_failing_at_import_and_missing_file(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 def _leaf_type(key: str):
-    obj, name, tp = C._locate(C.PPOConfig(), key)
+    obj, name, tp = S._locate(C.PPOConfig(), key)
     return tp
 
 
@@ -156,7 +158,7 @@ def test_every_typed_key_rejects_a_wrong_type_naming_key_and_type(key):
     assert ei.value.errors[0][0] == key
     msg = ei.value.errors[0][1]
     assert "expected" in msg and "'xyz?'" in msg, msg
-    assert C._type_name(typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp).split(" or ")[0] in msg, msg
+    assert P._type_name(typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp).split(" or ")[0] in msg, msg
 
 
 def _numeric_keys():

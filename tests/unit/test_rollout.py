@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megappo import algo
-from megappo.rollout import (RolloutOutput, SamplingConfig, concat, layer_buckets, prompt_slice, response_mask_from_ids,
-                             rows_for_rank)
+from megappo.rollout import RolloutOutput, SamplingConfig, concat, prompt_slice, response_mask_from_ids
+from megappo.convert import layer_buckets
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_models import VOCAB, save_tiny_model  # noqa: E402
@@ -58,10 +58,6 @@ def test_prompt_layout():
     c = concat([a, b], [0, 2], pad_token_id=7)
     assert c.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
     assert c.responses[0].tolist() == [1, 1, 1, 7, 7] and c.response_mask[0].tolist() == [1, 1, 1, 0, 0]
-    r1 = rows_for_rank(c, 1, 3)
-    assert r1.prompt_index.tolist() == [1, 1] and r1.finish_reasons == ["stop", "stop"]
-    with pytest.raises(ValueError, match="do not split evenly over 4"):
-        rows_for_rank(c, 0, 4)
 
 
 def test_rollout_probs_diff():

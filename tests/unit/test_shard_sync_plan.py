@@ -4,11 +4,12 @@ reasons it gives when it cannot apply, and buckets that never mix the two reload
 import pytest
 import torch
 
-from megappo.convert.hf_io import RankCoords
-from megappo.convert.names import ModelDesc, full_shape, param_maps, to_megatron
-from megappo.convert.parallel import tp_shard, tp_shard_shape
-from megappo.rollout import layer_buckets
-from megappo.rollout.shard_sync import SyncTensor, kernel_name, kernel_shard, plan_shard_sync
+from megappo.layout import RankCoords
+from megappo.convert import full_shape, param_maps, to_megatron
+from megappo.models import ModelDesc
+from megappo.convert import tp_shard, tp_shard_shape
+from megappo.convert import layer_buckets
+from megappo.convert import SyncTensor, kernel_name, kernel_shard, plan_shard_sync
 
 DESC = ModelDesc(arch="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_heads=8, num_groups=4,
                  head_dim=8, vocab_size=300, padded_vocab_size=512, tie_word_embeddings=False, qkv_bias=True,
@@ -44,7 +45,7 @@ def test_kernel_shard_is_what_vllm_cuts_from_hf_tensors(tp):
 
 
 def _hf_shapes(pm):
-    from megappo.convert.names import hf_shapes
+    from megappo.convert import hf_shapes
 
     return hf_shapes(pm, DESC)
 

@@ -3,9 +3,10 @@ RemoteRollout enforces on the bridge (one generation in flight, collected before
 import pytest
 import torch
 
-from megappo.distributed.split import SplitGroups, train_ranks_of
+from megappo.distributed.split import SplitGroups
+from megappo.layout import train_ranks_of
 from megappo.rollout import SamplingConfig
-from megappo.rollout.remote import RemoteRollout
+from megappo.trainer import RemoteRollout
 
 
 def test_train_ranks_follow_the_launchers_layout():

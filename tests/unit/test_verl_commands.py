@@ -134,14 +134,14 @@ def test_unknown_config_name_and_unknown_key_are_errors():
 
 
 @pytest.mark.parametrize("arg, kind, fragment", [
-    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", None, None),     # settings since 4/7
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", None, None),     # settings
     ("actor_rollout_ref.model.enable_gradient_checkpointing=False", None, None),
-    ("actor_rollout_ref.model.use_remove_padding=True", None, None),   # a setting since 4/7
+    ("actor_rollout_ref.model.use_remove_padding=True", None, None),   # a setting
     ("actor_rollout_ref.actor.megatron.param_offload=True", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform", None, None),
     ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "error",
      "only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff"),
-    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", None, None),   # settings since 6/7
+    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", None, None),   # settings
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.001", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True", None, None),
@@ -151,7 +151,7 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_enable_deepep=True", "warn", "DeepEP"),
     ("critic.megatron.optimizer_offload=False", None, None),
     ("actor_rollout_ref.hybrid_engine=True", None, None),
-    ("actor_rollout_ref.hybrid_engine=False", None, None),   # a setting since 7/7 (the split placement)
+    ("actor_rollout_ref.hybrid_engine=False", None, None),   # a setting (the split placement)
     ("rollout.n_gpus_per_node=2", None, None),
     ("model_engine=megatron", None, None),
     ("model_engine=fsdp", "error", "Megatron-only"),
@@ -216,7 +216,7 @@ def test_rollout_rs_and_reinforce(args, key, fragment):
 
 
 def test_verl_memory_keys_are_settings():
-    """verl's offload and recomputation keys set megappo's fields (issue 4/7), and
+    """verl's offload and recomputation keys set megappo's fields, and
     enable_gradient_checkpointing means full recomputation of every layer."""
     from megappo.builders import recompute_settings
     from megappo.config import load_config

@@ -12,12 +12,13 @@ from .losses import (LOSS_AGG_MODES, PolicyLossSpec, ValueLossSpec, agg_loss, en
 from .policy_losses import COV_LOSSES, POLICY_LOSSES, compute_policy_loss, list_policy_losses, register_policy_loss
 from .cov_selection import clip_cov_selection, kl_cov_selection, token_cov, token_keys
 from .shaping import informative_groups, overlong_penalty
-from .rollout_correction import (ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS, parse_rollout_rs, rollout_is_weights,
+from .rollout_correction import (ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS, RolloutRSError, parse_rollout_rs, rollout_is_weights,
                                  rollout_rejection_mask, truncated_is_weights)
 from .stats import (global_count, global_seq_count, masked_mean, masked_sum, masked_var, masked_whiten,
                     rollout_probs_diff)
 
 __all__ = [
+    "RolloutRSError",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_count", "global_seq_count", "rollout_probs_diff",
     "gae", "gae_reference", "GAE_ADV_NORMS", "group_normalised_gae", "equal_score_share", "length_adaptive_lam", "gae_per_sample_lam",
     "discounted_returns", "discounted_returns_reference", "group_stats",

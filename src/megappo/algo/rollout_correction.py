@@ -283,30 +283,38 @@ def rollout_rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.T
         V = _reduce(second, dp_group) if second else []
         M = _reduce(big, dp_group, dist.ReduceOp.MAX) if big else []
 
-        def fin(v: float) -> float:   # a max/min with no unit on any rank: 0
-            return v if math.isfinite(v) else 0.0
-
-        metrics = {}
-        for i, (o, units, umask, c, sv, lo) in enumerate(rows):
-            s_stat, u_hi, u_lo, _, s_sv, sv_hi, sv_lo, rej_tok, rej_seq = S[2 + 9 * i: 11 + 9 * i]
-            NU = N if o.agg == "token" else NS
-            mx, mn, smx, smn, dev = M[5 * i: 5 * i + 5]
-            p = f"rollout_corr/rollout_rs_{o.name}_"
-            metrics.update({
-                p + "mean": s_stat / max(N, 1), p + "max": fin(mx), p + "min": fin(-mn),
-                p + "fraction_high": u_hi / max(NU, 1), p + "fraction_low": u_lo / max(NU, 1),
-                p + "std": math.sqrt(V[2 * i] / N) if N > 1 else 0.0,
-                p + "seq_mean": s_sv / max(NS, 1), p + "seq_std": math.sqrt(V[2 * i + 1] / (NS - 1)) if NS > 1 else 0.0,
-                p + "seq_max": fin(smx), p + "seq_min": fin(-smn), p + "seq_max_deviation": fin(dev),
-                p + "seq_fraction_high": sv_hi / max(NS, 1)})
-            if lo is not None:
-                metrics[p + "seq_fraction_low"] = sv_lo / max(NS, 1)
-            metrics[p + "masked_fraction"] = rej_tok / max(N, 1)
-            metrics[p + "seq_masked_fraction"] = rej_seq / max(NS, 1)
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = S[-2] / max(N, 1)
-        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = S[-1] / max(NS, 1)
+        metrics = _rs_metrics(rows, S, V, M, N, NS)
         dtype = response_mask.dtype if response_mask.is_floating_point() else torch.float32
     return keep.to(dtype), metrics
+
+
+def _rs_metrics(rows: list, S, V, M, N, NS) -> dict:
+    """Rejection sampling's metrics from the reduced sums ``S``, squared deviations ``V`` and
+    maxima ``M`` (see :func:`rollout_rejection_mask`); N tokens and NS non-empty sequences."""
+
+    def fin(v: float) -> float:   # a max/min with no unit on any rank: 0
+        return v if math.isfinite(v) else 0.0
+
+    metrics = {}
+    for i, (o, units, umask, c, sv, lo) in enumerate(rows):
+        s_stat, u_hi, u_lo, _, s_sv, sv_hi, sv_lo, rej_tok, rej_seq = S[2 + 9 * i: 11 + 9 * i]
+        NU = N if o.agg == "token" else NS
+        mx, mn, smx, smn, dev = M[5 * i: 5 * i + 5]
+        p = f"rollout_corr/rollout_rs_{o.name}_"
+        metrics.update({
+            p + "mean": s_stat / max(N, 1), p + "max": fin(mx), p + "min": fin(-mn),
+            p + "fraction_high": u_hi / max(NU, 1), p + "fraction_low": u_lo / max(NU, 1),
+            p + "std": math.sqrt(V[2 * i] / N) if N > 1 else 0.0,
+            p + "seq_mean": s_sv / max(NS, 1), p + "seq_std": math.sqrt(V[2 * i + 1] / (NS - 1)) if NS > 1 else 0.0,
+            p + "seq_max": fin(smx), p + "seq_min": fin(-smn), p + "seq_max_deviation": fin(dev),
+            p + "seq_fraction_high": sv_hi / max(NS, 1)})
+        if lo is not None:
+            metrics[p + "seq_fraction_low"] = sv_lo / max(NS, 1)
+        metrics[p + "masked_fraction"] = rej_tok / max(N, 1)
+        metrics[p + "seq_masked_fraction"] = rej_seq / max(NS, 1)
+    metrics["rollout_corr/rollout_rs_masked_fraction"] = S[-2] / max(N, 1)
+    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = S[-1] / max(NS, 1)
+    return metrics
 
 
 def apply_weights(losses: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:

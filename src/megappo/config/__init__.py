@@ -16,15 +16,14 @@ Nothing here imports torch, vLLM, Ray or megatron except the lazy look-ups of th
 registries during validation.
 """
 from megappo.config.docs import config_reference_markdown
-from megappo.config.parse import (PRESETS_DIR, _type_name, apply_mapping, apply_override, load_config, source_of,
-                                  to_dict, to_yaml)
-from megappo.config.schema import (_HINTS, ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, ConfigError,
-                                   CriticConfig, CriticModelConfig, CustomRewardFunctionConfig, DataConfig,
-                                   KLCtrlConfig, MegatronConfig, ModelConfig, OptimConfig, PPOConfig, Ref,
-                                   RefConfig, RefMegatronConfig, RewardModelConfig, RewardModelModelConfig,
-                                   RolloutConfig, TrainerConfig, ValKwargsConfig, _f, _hints, _is_section, _locate,
-                                   all_keys, get)
-from megappo.config.validation import ParallelLayout, critic_enabled, parallel_layout, validate
+from megappo.config.parse import (PRESETS_DIR, apply_mapping, apply_override, load_config, source_of, to_dict,
+                                  to_yaml)
+from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, ConfigError, CriticConfig,
+                                   CriticModelConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
+                                   MegatronConfig, ModelConfig, OptimConfig, PPOConfig, Ref, RefConfig,
+                                   RefMegatronConfig, RewardModelConfig, RewardModelModelConfig, RolloutConfig,
+                                   TrainerConfig, ValKwargsConfig, all_keys, get)
+from megappo.config.validation import critic_enabled, validate
 
 __all__ = [
     "ConfigError",
@@ -38,7 +37,12 @@ __all__ = [
     "to_yaml",
     "get",
     "all_keys",
-    "parallel_layout",
     "config_reference_markdown",
     "critic_enabled",
+    "PRESETS_DIR",
+    "source_of",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CriticConfig", "CriticModelConfig",
+    "CustomRewardFunctionConfig", "DataConfig", "KLCtrlConfig", "MegatronConfig", "ModelConfig", "OptimConfig",
+    "RefConfig", "RefMegatronConfig", "RewardModelConfig", "RewardModelModelConfig", "RolloutConfig", "TrainerConfig",
+    "ValKwargsConfig",
 ]

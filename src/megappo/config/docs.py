@@ -1,17 +1,22 @@
-"""The configuration reference (the README's table is generated from it and checked by a test)."""
+"""The configuration reference: a markdown table of every key, generated from the dataclasses.
+Its copy lives in ``docs/configuration.md`` between the ``config-reference`` markers;
+``python -m megappo.config`` rewrites it there and a test checks it is current."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-from megappo.config.schema import PPOConfig, Ref, _hints, _is_section
+from megappo.config.schema import PPOConfig, Ref
+from megappo.config.schema import _hints, _is_section
 
 # ---------------------------------------------------------------------------------------------
-# Reference documentation (the README's table is generated from this and checked by a test)
+# Reference documentation (docs/configuration.md's table is generated from this and checked by a test)
 # ---------------------------------------------------------------------------------------------
 
 def _short_type(tp: Any) -> str:
@@ -55,4 +60,31 @@ def config_reference_markdown() -> str:
 
     walk(PPOConfig(), "")
     return "\n".join(rows)
+
+
+# The reference's copy in the documentation, between these markers.
+REFERENCE_START = "<!-- config-reference:start -->"
+REFERENCE_END = "<!-- config-reference:end -->"
+# docs/configuration.md of the repository this package is imported from (src/megappo/config/docs.py)
+REFERENCE_DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
+
+
+def _marked(text: str) -> "re.Match[str] | None":
+    return re.search(rf"{re.escape(REFERENCE_START)}\n(.*?)\n?{re.escape(REFERENCE_END)}", text, re.S)
+
+
+def reference_in(text: str) -> "str | None":
+    """The table between the reference markers of ``text``; None when it has no markers."""
+    m = _marked(text)
+    return m.group(1).strip() if m else None
+
+
+def with_reference(text: str, table: "str | None" = None) -> str:
+    """``text`` with the table between its reference markers replaced by ``table`` (default: the
+    current reference). Raises ValueError when ``text`` has no markers."""
+    m = _marked(text)
+    if m is None:
+        raise ValueError(f"no {REFERENCE_START} ... {REFERENCE_END} markers")
+    table = (config_reference_markdown() if table is None else table).strip()
+    return text[:m.start()] + f"{REFERENCE_START}\n{table}\n{REFERENCE_END}" + text[m.end():]
 

@@ -13,7 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from megappo.config.schema import ConfigError, PPOConfig, Ref, _is_section, _locate, all_keys
+from megappo.config.schema import ConfigError, PPOConfig, Ref, all_keys
+from megappo.config.schema import _is_section, _locate
 
 # ---------------------------------------------------------------------------------------------
 # Coercion of override strings and YAML values to the field's type
@@ -58,35 +59,56 @@ def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
             raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
         return v
     if origin is list:
-        (elem,) = typing.get_args(tp)
-        items = value
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    items = yaml.safe_load(text)
-                except yaml.YAMLError as e:
-                    raise ValueError(f"cannot parse {value!r} as a list: {e}") from None
-                if not isinstance(items, list):
-                    raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
-                items = [str(x) if from_text and elem is str else x for x in items]
-            else:
-                items = [text]  # a single value stands for a one-element list, as in verl
-        if not isinstance(items, (list, tuple)):
-            items = [items]
-        out = []
-        for x in items:
-            try:
-                out.append(_coerce(x, elem, from_text))
-            except ValueError as e:
-                raise ValueError(f"expected {_type_name(tp)}, got {value!r}: {e}") from None
-        return out
+        return _coerce_list(value, tp, from_text)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
         raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+    if tp in (int, float):
+        return _coerce_number(value, tp, from_text)
+    if tp is str:
+        if isinstance(value, str):
+            v = value.strip() if from_text else value
+            if from_text and len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                v = v[1:-1]
+            return v
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported field type {tp}")  # pragma: no cover
+
+
+def _coerce_list(value: Any, tp: Any, from_text: bool) -> list:
+    """A list field: ``[a, b]`` text (YAML), a YAML list, or one value standing for a one-element list."""
+    (elem,) = typing.get_args(tp)
+    items = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                items = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"cannot parse {value!r} as a list: {e}") from None
+            if not isinstance(items, list):
+                raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+            items = [str(x) if from_text and elem is str else x for x in items]
+        else:
+            items = [text]  # a single value stands for a one-element list, as in verl
+    if not isinstance(items, (list, tuple)):
+        items = [items]
+    out = []
+    for x in items:
+        try:
+            out.append(_coerce(x, elem, from_text))
+        except ValueError as e:
+            raise ValueError(f"expected {_type_name(tp)}, got {value!r}: {e}") from None
+    return out
+
+
+def _coerce_number(value: Any, tp: Any, from_text: bool):
+    """An int or float field (booleans are not numbers; NaN is refused)."""
     if tp is int:
         if isinstance(value, bool):
             raise ValueError(f"expected an integer, got {value!r}")
@@ -114,16 +136,6 @@ def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
         if out is None or math.isnan(out):  # NaN passes no comparison: it would slip past every rule
             raise ValueError(f"expected a number, got {value!r}")
         return out
-    if tp is str:
-        if isinstance(value, str):
-            v = value.strip() if from_text else value
-            if from_text and len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
-                v = v[1:-1]
-            return v
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ValueError(f"expected a string, got {value!r}")
-    raise TypeError(f"unsupported field type {tp}")  # pragma: no cover
 
 
 def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:

@@ -189,7 +189,7 @@ class RolloutConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "vLLM compute dtype.")
     enforce_eager: Optional[bool] = _f(None, "Run vLLM eagerly (no CUDA graphs / torch.compile). null (megappo's default, verl's is true): false on GPU, where CUDA graphs speed up decoding, true on CPU, where compilation costs ~30 s at start for ~15% faster decoding (benchmarks/rollout.py).")
     free_cache_engine: bool = _f(True, "Free vLLM's KV cache and weights while training (sleep/wake; a no-op on CPU).")
-    shard_sync: bool = _f(True, "Weight sync sends each rank's own TP shard in vLLM's layout, with no TP gather, when rollout TP equals training TP and the engine's parameters match (megappo.rollout.shard_sync); false always gathers full tensors. Either way the engine ends with the same weights.")
+    shard_sync: bool = _f(True, "Weight sync sends each rank's own TP shard in vLLM's layout, with no TP gather, when rollout TP equals training TP and the engine's parameters match (megappo.sync); false always gathers full tensors. Either way the engine ends with the same weights.")
     max_num_batched_tokens: int = _f(8192, "vLLM scheduler token budget per step.")
     max_num_seqs: int = _f(1024, "vLLM's maximum concurrent sequences.")
     log_prob_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per micro-batch when the actor recomputes old log-probs; required unless log_prob_use_dynamic_bsz.")

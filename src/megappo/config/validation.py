@@ -3,52 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from megappo.config.schema import ConfigError, PPOConfig, get
-
-# ---------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class ParallelLayout:
-    world_size: int
-    tp: int
-    pp: int
-    vpp: Optional[int]
-    dp: int
-    rollout_tp: int
-    rollout_dp: int
-    split: bool = False          # actor_rollout_ref.hybrid_engine=False: separate rollout ranks
-    train_world: int = 0         # ranks that train (the whole world when colocated)
-    rollout_world: int = 0       # ranks that roll out (the whole world when colocated)
-
-
-def split_worlds(cfg: PPOConfig) -> tuple[int, int]:
-    """(training ranks, rollout ranks) the config asks for; colocated: the same ranks do both."""
-    tr, ro = cfg.trainer, cfg.rollout
-    train = tr.nnodes * tr.n_gpus_per_node
-    return (train, ro.nnodes * ro.n_gpus_per_node) if not cfg.actor_rollout_ref.hybrid_engine else (train, train)
-
-
-def parallel_layout(cfg: PPOConfig, world_size: Optional[int] = None) -> ParallelLayout:
-    """The rank layout the config implies (DP derived from the world size; ``world_size``: the
-    whole job's, rollout ranks included under the split placement)."""
-    m = cfg.actor_rollout_ref.actor.megatron
-    split = not cfg.actor_rollout_ref.hybrid_engine
-    train, rollout = split_worlds(cfg)
-    world = train + rollout if split else train
-    if world_size is not None:
-        train, world = (world_size - rollout, world_size) if split else (world_size, world_size)
-        rollout = rollout if split else world_size
-    mp = max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
-    rtp = max(1, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
-    return ParallelLayout(world, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                          m.virtual_pipeline_model_parallel_size, train // mp, rtp, rollout // rtp, split, train, rollout)
-
+from megappo.layout import parallel_layout, split_worlds
 
 def _known(kind: str) -> list[str]:
     # Lazy: the registries live in megappo.algo (torch); the dry run pays this once.
@@ -90,6 +49,9 @@ def validate(
     dp = _layout(cfg, need, W, world_size)
     _batches(cfg, need, dp)
     _ppo_and_kl(cfg, need, W)
+    _policy_loss(cfg, need, W)
+    _rollout_correction(cfg, need, W)
+    _estimator(cfg, need, W)
     _sampling(cfg, need, W)
     _optimizers(cfg, need)
     _trainer(cfg, need)
@@ -267,6 +229,15 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
             if getattr(al, key) != default:
                 W.append(f"algorithm.{key}={getattr(al, key)!r} is read only by adv_estimator=gae "
                          f"(this run uses {al.adv_estimator!r}): ignored")
+    kl_kinds = _known("kl")
+    need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
+         f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")
+    need(al.kl_penalty in kl_kinds, "algorithm.kl_penalty",
+         f"unknown KL estimator {al.kl_penalty!r}; supported: {', '.join(kl_kinds)}")
+
+
+def _policy_loss(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    act = cfg.actor_rollout_ref.actor
     losses = _known("policy_loss")
     need(act.policy_loss.loss_mode in losses, A + "policy_loss.loss_mode",
          f"unknown policy loss {act.policy_loss.loss_mode!r}; registered: {', '.join(losses)}")
@@ -281,14 +252,17 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
     if act.policy_loss.loss_mode == "dro":   # verl's default is null: DRO has no neutral penalty weight
         need(beta is not None and beta > 0, A + "policy_loss.dro_beta",
              f"loss_mode=dro needs a penalty weight > 0, got {beta}")
-    rc = al.rollout_correction
+
+
+def _rollout_correction(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    act, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
     need(rc.rollout_is_threshold > 0, "algorithm.rollout_correction.rollout_is_threshold",
          f"must be > 0, got {rc.rollout_is_threshold}")
     if rc.bypass_mode and rc.rollout_is is not None and rc.loss_type == "ppo_clip":
         W.append("algorithm.rollout_correction.rollout_is has no effect with bypass_mode=true: the old log-probs "
                  "are the rollout's, so every weight is 1 (the PPO ratio does the correction)")
     if rc.rollout_rs is not None:
-        from megappo.algo.rollout_correction import RolloutRSError, parse_rollout_rs
+        from megappo.algo import RolloutRSError, parse_rollout_rs
 
         try:
             parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold)
@@ -310,11 +284,10 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
              "algorithm.rollout_correction.rollout_is_batch_normalize",
              "is not supported with loss_type=reinforce: its weights come from the current policy in each "
              "micro-batch, where a batch mean does not exist (verl averages each micro-batch over all ranks)")
-    kl_kinds = _known("kl")
-    need(act.kl_loss_type in kl_kinds, A + "kl_loss_type",
-         f"unknown KL estimator {act.kl_loss_type!r}; supported: {', '.join(kl_kinds)}")
-    need(al.kl_penalty in kl_kinds, "algorithm.kl_penalty",
-         f"unknown KL estimator {al.kl_penalty!r}; supported: {', '.join(kl_kinds)}")
+
+
+def _estimator(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    al, cr, n = cfg.algorithm, cfg.critic, _rollout_n(cfg)
     estimators = _known("estimator")
     if need(al.adv_estimator in estimators, "algorithm.adv_estimator",
             f"unknown advantage estimator {al.adv_estimator!r}; registered: {', '.join(estimators)}"):
@@ -487,5 +460,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _sampling, _optimizers, _trainer, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _optimizers, _trainer, _paths, _check_model_path,
                   _check_experts)

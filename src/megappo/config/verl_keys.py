@@ -63,7 +63,7 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.override_transformer_config.moe_permute_fusion", _when(_truthy, "warn", "has no effect: megappo uses megatron's unfused token permutation")),
     ("*.megatron.override_transformer_config.moe_enable_deepep", _when(_truthy, "warn", "has no effect: DeepEP dispatch is not supported; megappo uses the alltoall dispatcher")),
     ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
-    ("*.optim.override_optimizer_config.*", _always("error", "is not supported yet: optimizer CPU offload and the precision-aware optimizer arrive with issue 4/7")),
+    ("*.optim.override_optimizer_config.*", _always("error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired; megappo keeps an idle role's optimizer state in host memory with <section>.megatron.optimizer_offload=true")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),
     ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),

@@ -24,7 +24,8 @@ import torch
 from .megatron_ckpt import (DTYPES, ConvertError, checkpoint_desc, checkpoint_tensors, hf_config_dir,
                             is_out_of_space, iter_hf_groups, layer_groups, read_json, resolve_checkpoint,
                             save_from_hf, single_process_group)
-from .names import ModelDesc, full_shape, hf_shapes, param_maps
+from .names import full_shape, hf_shapes, param_maps
+from megappo.models import ModelDesc
 
 __all__ = ["export_hf", "import_hf", "plan_shards", "parse_size", "ShardWriter", "Shard"]
 
@@ -185,7 +186,7 @@ def export_hf(ckpt: str, out: str, hf_config: Optional[str] = None, dtype: Optio
     """
     from tqdm import tqdm
 
-    from megappo.models.hf import ModelConfigError, load_hf_config
+    from megappo.models import ModelConfigError, load_hf_config
 
     max_bytes = parse_size(max_shard_size)
     path = resolve_checkpoint(ckpt, critic=critic)
@@ -271,8 +272,8 @@ def import_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: Optional[s
     ``tp``/``pp``/``ep`` are checked against the model; the tensors themselves are stored whole
     (experts by global index) and dist_checkpointing cuts them for whatever layout loads them."""
     from megappo.checkpoint import copy_hf_files
-    from megappo.convert.parallel import layers_per_chunk
-    from megappo.models.hf import ModelConfigError, describe, load_hf_config
+    from megappo.layout import layers_per_chunk
+    from megappo.models import ModelConfigError, describe, load_hf_config
 
     src = os.path.abspath(os.path.expanduser(hf_dir))
     if not os.path.isdir(src):

@@ -19,11 +19,15 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .names import ModelDesc, ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
-from .parallel import layer_owner, tp_gather, tp_rows, to_global_name
+from .names import ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatron
+
+from megappo.models import ModelDesc
+from megappo.layout import RankCoords
+
+from .parallel import tp_gather, tp_rows, to_global_name
 
 __all__ = ["WeightLoadError", "SafetensorsCheckpoint", "load_hf_weights", "iter_hf_tensors", "plan_shared_gather",
-           "RankCoords", "gather_full", "local_params"]
+           "gather_full", "local_params"]
 
 
 class WeightLoadError(ValueError):
@@ -32,34 +36,6 @@ class WeightLoadError(ValueError):
 
 # Tensors some HF checkpoints carry that no megatron parameter corresponds to.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class RankCoords:
-    """This rank's coordinates: TP and PP sizes/ranks, VPP size; EP size/rank (MoE experts)."""
-
-    def __init__(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, vpp: Optional[int] = None,
-                 tp_group=None, pp_group=None, mp_group=None, ep: int = 1, ep_rank: int = 0, ep_group=None):
-        self.tp, self.tp_rank, self.pp, self.pp_rank, self.vpp = tp, tp_rank, pp, pp_rank, vpp
-        self.tp_group, self.pp_group, self.mp_group = tp_group, pp_group, mp_group
-        self.ep, self.ep_rank, self.ep_group = ep, ep_rank, ep_group
-
-    @classmethod
-    def from_megatron(cls) -> "RankCoords":
-        from megatron.core import parallel_state as ps
-
-        return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                   pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-                   mp_group=ps.get_model_parallel_group(), ep=ps.get_expert_model_parallel_world_size(),
-                   ep_rank=ps.get_expert_model_parallel_rank(),
-                   ep_group=ps.get_expert_model_parallel_group(check_initialized=False))
-
-    def owner(self, pm: ParamMap, num_layers: int) -> int:
-        """Pipeline rank holding ``pm``."""
-        if pm.layer is not None:
-            return layer_owner(pm.layer, num_layers, self.pp, self.vpp)[0]
-        return 0 if pm.where == "first" else self.pp - 1
 
 
 class SafetensorsCheckpoint:
@@ -189,7 +165,7 @@ def _maps_for(desc: ModelDesc, te: bool, local: dict) -> dict[str, ParamMap]:
 
 
 def _te(chunks, te: Optional[bool]) -> bool:
-    from megappo.models.layers import uses_te
+    from megappo.models import uses_te
 
     return bool(te) if te is not None else uses_te(chunks)
 

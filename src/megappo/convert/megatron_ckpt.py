@@ -29,7 +29,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from .names import ModelDesc, ParamMap, full_shape, param_maps, to_hf
+from .names import ParamMap, full_shape, param_maps, to_hf
+
+from megappo.models import ModelDesc
 
 __all__ = ["ConvertError", "resolve_checkpoint", "checkpoint_tensors", "checkpoint_desc", "hf_config_dir",
            "iter_hf_groups", "save_from_hf", "load_model_weights", "single_process_group", "is_out_of_space",
@@ -205,7 +207,7 @@ def checkpoint_desc(path: str, tensors: dict, hf_config, config_path: str, value
     """Describe the checkpoint with the HF config and check every tensor shape against it.
     Returns the description (its padded vocabulary as saved) and whether names are TE-style
     (MoE models: the local spec's names; their keys are the same for both specs)."""
-    from megappo.models.hf import ModelConfigError, describe
+    from megappo.models import ModelConfigError, describe
 
     try:
         desc = describe(hf_config, tp=1, value_head=value_head).desc
@@ -307,9 +309,10 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
     from tqdm import tqdm
 
     from megappo import megatron_cpu
+    from megappo.layout import RankCoords
     from megappo.models import build_model, initialize_parallel, transformer_config
 
-    from .hf_io import RankCoords, WeightLoadError, load_hf_weights
+    from .hf_io import WeightLoadError, load_hf_weights
 
     bar = tqdm(total=3, desc="build model", disable=not progress)
     with quiet_warnings():

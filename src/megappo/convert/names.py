@@ -11,37 +11,13 @@ from typing import Optional
 
 import torch
 
+from megappo.models import ModelDesc
+
 from .tensor_maps import fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
 
-__all__ = ["ModelDesc", "ParamMap", "param_maps", "to_megatron", "to_hf", "full_shape"]
+__all__ = ["ParamMap", "param_maps", "to_megatron", "to_hf", "full_shape"]
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
-
-
-@dataclass(frozen=True)
-class ModelDesc:
-    """The numbers the conversion needs (read from an HF config by megappo.models.describe)."""
-
-    arch: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    num_groups: int              # key/value heads
-    head_dim: int
-    vocab_size: int              # HF rows of embed_tokens / lm_head
-    padded_vocab_size: int       # megatron rows (TP-divisible)
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_layernorm: bool
-    value_head: bool = False     # critic: a (1, hidden) head replaces the LM head
-    # Mixture-of-Experts (Qwen3-MoE): experts per MoE layer, their FFN size, routed per token,
-    # router renormalisation, and which layers are MoE (the others are dense, ffn_hidden_size)
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_topk: int = 0
-    norm_topk_prob: bool = True
-    moe_layers: tuple = ()
 
 
 @dataclass(frozen=True)

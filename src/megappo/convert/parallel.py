@@ -1,10 +1,9 @@
-"""TP split/gather of megatron tensors and PP/VPP layer placement.
+"""TP split/gather of megatron tensors, and parameter names between a pipeline chunk's local
+layer numbering and the model's (the PP/VPP layer placement itself is :mod:`megappo.layout`'s).
 
 TP: a tensor with ``partition_dim`` is cut into equal contiguous pieces along that dim, except
 ``linear_fc1`` ([gate; up]) whose halves are cut separately so each rank holds [gate_r; up_r].
-PP: the decoder's layers are split evenly into ``pp * vpp`` chunks; chunk ``c = vp_stage * pp +
-pp_rank`` holds layers ``[c * n, (c + 1) * n)`` with ``n = num_layers / (pp * vpp)`` (megatron's
-interleaved assignment). Layer indices in a chunk's parameter names are chunk-local.
+Layer indices in a chunk's parameter names are chunk-local.
 """
 from __future__ import annotations
 
@@ -13,11 +12,12 @@ from typing import Optional
 
 import torch
 
+from megappo.layout import global_layer, layer_owner
+
 from .tensor_maps import qkv_group_views
 from .names import ParamMap
 
-__all__ = ["tp_shard", "tp_shard_shape", "tp_gather", "tp_rows", "layers_per_chunk", "layer_owner", "global_layer",
-           "to_local_name", "to_global_name", "shard_into_hf"]
+__all__ = ["tp_shard", "tp_shard_shape", "tp_gather", "tp_rows", "to_local_name", "to_global_name", "shard_into_hf"]
 
 
 def tp_rows(n: int, rank: int, size: int) -> slice:
@@ -57,27 +57,6 @@ def tp_gather(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=pm.partition_dim)
-
-
-def layers_per_chunk(num_layers: int, pp: int, vpp: Optional[int]) -> int:
-    chunks = pp * (vpp or 1)
-    if num_layers % chunks:
-        raise ValueError(f"num_hidden_layers ({num_layers}) must be divisible by pipeline_model_parallel_size x "
-                         f"virtual stages ({pp} x {vpp or 1} = {chunks})")
-    return num_layers // chunks
-
-
-def layer_owner(layer: int, num_layers: int, pp: int, vpp: Optional[int]) -> tuple[int, int, int]:
-    """Global layer index -> (pp_rank, vp_stage, chunk-local index)."""
-    n = layers_per_chunk(num_layers, pp, vpp)
-    chunk, local = divmod(layer, n)
-    vp_stage, pp_rank = divmod(chunk, pp)
-    return pp_rank, vp_stage, local
-
-
-def global_layer(pp_rank: int, vp_stage: int, local: int, num_layers: int, pp: int, vpp: Optional[int]) -> int:
-    n = layers_per_chunk(num_layers, pp, vpp)
-    return (vp_stage * pp + pp_rank) * n + local
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

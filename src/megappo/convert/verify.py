@@ -70,7 +70,7 @@ def _megatron_outputs(path: str, cfg, desc, ids: torch.Tensor, critic: bool) -> 
 def compare_checkpoint_with_hf(ckpt: str, hf: str, critic: bool = False, num_seqs: int = 4, seq_len: int = 32,
                                seed: int = 0) -> dict:
     """Run both models on the same random sequences; returns ``max_abs_diff`` and the shapes."""
-    from megappo.models.hf import ModelConfigError, load_hf_config
+    from megappo.models import ModelConfigError, load_hf_config
 
     path = resolve_checkpoint(ckpt, critic=critic)
     hf_dir = os.path.abspath(os.path.expanduser(hf))

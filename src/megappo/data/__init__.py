@@ -1,7 +1,7 @@
 """Prompt data: verl-schema parquet datasets, resumable sampling, preprocessing, a local tokenizer."""
 from .dataset import DataError, PromptDataset, PromptItem, read_rows, tokenize_prompt
-from .sampler import PromptSampler, dp_slice
+from .sampler import PromptSampler
 from .tiny import build_word_tokenizer
 
-__all__ = ["DataError", "PromptDataset", "PromptItem", "read_rows", "tokenize_prompt", "PromptSampler", "dp_slice",
+__all__ = ["DataError", "PromptDataset", "PromptItem", "read_rows", "tokenize_prompt", "PromptSampler",
            "build_word_tokenizer"]

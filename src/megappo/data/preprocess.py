@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-from megappo.rewards.hendrycks_math import last_boxed
-from megappo.rewards.synthetic import make_echo_rows
+from megappo.rewards import last_boxed, synthetic
 
-__all__ = ["gsm8k_row", "math_row", "load_raw", "main"]
+__all__ = ["gsm8k_row", "math_row", "main"]
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -150,14 +149,6 @@ def _raw_files(path: str, split: str) -> list[tuple[str, str]]:
     return out
 
 
-def load_raw(path: str, split: str = "train") -> dict[str, list[dict]]:
-    """{split: rows} from a file or a folder (see the module docstring)."""
-    out: dict[str, list[dict]] = {}
-    for name, f in _raw_files(path, split):
-        out.setdefault(name, []).extend(_read_file(f))
-    return out
-
-
 def _convert(path: str, split: str, make) -> dict[str, list[dict]]:
     """{split: verl rows}; a bad record's error names its file."""
     out: dict[str, list[dict]] = {}
@@ -192,8 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.task == "synthetic":
-        splits = {"train": make_echo_rows(args.n_train, ECHO_WORDS, seed=args.seed),
-                  "test": make_echo_rows(args.n_test, ECHO_WORDS, seed=args.seed + 1)}
+        splits = {"train": synthetic.make_echo_rows(args.n_train, ECHO_WORDS, seed=args.seed),
+                  "test": synthetic.make_echo_rows(args.n_test, ECHO_WORDS, seed=args.seed + 1)}
     else:
         if not args.input:
             ap.error(f"{args.task} needs --input")

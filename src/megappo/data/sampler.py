@@ -1,10 +1,12 @@
 """Seeded, resumable order over a dataset: epochs of shuffled global batches; every rank computes
-the same order, and a rank's share of a batch is a contiguous slice."""
+the same order."""
 from __future__ import annotations
 
 import random
 
-__all__ = ["PromptSampler", "dp_slice"]
+from megappo.seeds import epoch_seed
+
+__all__ = ["PromptSampler"]
 
 
 class PromptSampler:
@@ -23,7 +25,7 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         order = list(range(self.n))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(epoch_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def next_batch(self) -> list[int]:
@@ -44,10 +46,3 @@ class PromptSampler:
             if state[key] != getattr(self, key if key != "n" else "n"):
                 raise ValueError(f"cannot resume the data order: {key} was {state[key]} and is now {getattr(self, key)}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-def dp_slice(items: list, dp_rank: int, dp_size: int) -> list:
-    if len(items) % dp_size:
-        raise ValueError(f"{len(items)} items do not split evenly over {dp_size} data-parallel ranks")
-    k = len(items) // dp_size
-    return items[dp_rank * k:(dp_rank + 1) * k]

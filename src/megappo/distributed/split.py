@@ -1,9 +1,9 @@
 """Split placement: one job's ranks divided into training ranks and rollout ranks, and the bridge
-between the two groups (issue 20: the foundation of one-step off-policy training).
+between the two groups (the foundation of one-step off-policy training).
 
 Layout. The launcher (torchrun, srun, Ray) starts W ranks of the same program. Some train
 (megatron TP/PP/DP over them), the others roll out (vLLM replicas under vLLM's external launcher,
-``rollout_tp`` consecutive rollout ranks per replica); :func:`train_ranks_of` says which from the
+``rollout_tp`` consecutive rollout ranks per replica); :func:`megappo.layout.train_ranks_of` says which from the
 config (the last GPUs of every node roll out, or whole nodes after the training nodes), and
 global rank 0 always trains. Each process's DEFAULT process group covers only its own role:
 megatron's ``initialize_model_parallel`` and vLLM's external launcher both derive their groups
@@ -29,13 +29,13 @@ Training ranks other than 0 are not members (``bridge is None``).
 
 Transfers (no disk):
 - weights, global rank 0 -> rollout ranks (:func:`send_weights` / :func:`receive_weights`):
-  full HF-named tensors in whole-layer buckets (:func:`~megappo.rollout.engine.layer_buckets`, what
+  full HF-named tensors in whole-layer buckets (:func:`~megappo.convert.layer_buckets`, what
   ``VLLMRollout.sync_weights`` needs), one broadcast of one flat byte buffer per bucket, with a
   version number that must increase;
 - commands, global rank 0 -> rollout ranks (:func:`send_command` / :func:`receive_command`), and
   objects back (:func:`send_object` / :func:`receive_object`: the first rollout rank to global rank
   0, point to point, then a broadcast over the training group): what
-  :mod:`megappo.rollout.remote` speaks.
+  :mod:`megappo.trainer.remote` speaks.
 
 Message format. Every message starts with a control tensor ``int64[4]`` = (kind, a, b, c); a
 payload is one ``uint8`` buffer holding a JSON description (names, dtypes, shapes, byte offsets)
@@ -58,8 +58,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SplitGroups", "init_split", "send_weights", "receive_weights", "send_command", "receive_command", "send_object", "receive_object", "current", "set_current",
-           "train_ranks_of"]
+__all__ = ["SplitGroups", "init_split", "send_weights", "receive_weights", "send_command", "receive_command", "send_object", "receive_object", "current", "set_current"]
 
 _PREFIX = "megappo/split/"
 _ALIGN = 16  # byte alignment of each tensor in a payload (any dtype can be viewed back in place)
@@ -194,7 +193,7 @@ def send_weights(groups: SplitGroups, named_tensors: Iterable, version: int, buc
             pass
         groups.weights_version_sent = version
         return {}
-    from megappo.rollout.engine import layer_buckets
+    from megappo.convert import layer_buckets
 
     t0 = time.perf_counter()
     _bridge_bcast(groups, _control(groups, _W_START, version))
@@ -263,7 +262,7 @@ def _weight_buckets(groups: SplitGroups, version: int, accept: bool) -> Iterator
 
 
 def _pair(item) -> tuple[str, torch.Tensor]:
-    if hasattr(item, "kernel"):  # megappo.rollout.shard_sync.SyncTensor
+    if hasattr(item, "kernel"):  # megappo.convert.SyncTensor
         if item.kernel:
             raise ValueError(f"send_weights: {item.name} is a shard in vLLM's kernel layout; the bridge carries full "
                              "HF-named tensors (shard-direct sync needs the colocated placement)")
@@ -344,17 +343,6 @@ def set_current(groups: Optional[SplitGroups]) -> None:
 def current() -> Optional[SplitGroups]:
     """This process's split groups, or None in a colocated job."""
     return _CURRENT
-
-
-def train_ranks_of(train_nnodes: int, train_per_node: int, rollout_nnodes: int, rollout_per_node: int) -> list[int]:
-    """Global ranks that train, as the launchers lay out a split job (``trainer.*`` / ``rollout.*``
-    nodes and ranks per node): with as many rollout nodes as training nodes, every node's first
-    ``train_per_node`` local ranks train and its last ``rollout_per_node`` roll out; otherwise the
-    training nodes come first (whole nodes) and the rollout nodes after them."""
-    if rollout_nnodes == train_nnodes:
-        per = train_per_node + rollout_per_node
-        return [n * per + i for n in range(train_nnodes) for i in range(train_per_node)]
-    return list(range(train_nnodes * train_per_node))
 
 
 def _bytes_tensor(obj, device) -> torch.Tensor:

@@ -89,7 +89,7 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str]]:
         validate(cfg, check_paths=False)  # files are checked on the ranks' nodes
     except ConfigError as e:
         p.exit(2, f"megappo ray: invalid configuration, nothing was started.\n{e}\n")
-    from megappo.config import parallel_layout
+    from megappo.layout import parallel_layout
 
     world = parallel_layout(cfg).world_size   # the split placement's rollout ranks included
     if world != args.nnodes * args.nproc_per_node:

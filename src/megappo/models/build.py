@@ -8,7 +8,7 @@ import torch
 from .hf import HFModelInfo
 from .layers import ValueHead, layer_spec, te_available
 
-__all__ = ["initialize_parallel", "build_model", "parallel_ranks"]
+__all__ = ["initialize_parallel", "build_model"]
 
 
 def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42, ep: Optional[int] = None,
@@ -34,15 +34,6 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp, **expert)
     model_parallel_cuda_manual_seed(seed)
-
-
-def parallel_ranks() -> dict:
-    from megatron.core import parallel_state as ps
-
-    return dict(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                vpp=ps.get_virtual_pipeline_model_parallel_world_size())
 
 
 def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: Optional[bool] = None,

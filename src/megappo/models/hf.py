@@ -7,9 +7,7 @@ from typing import Optional
 
 import torch
 
-from megappo.convert.names import ModelDesc
-
-__all__ = ["ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "MoEOptions", "describe", "load_hf_config",
+__all__ = ["ModelDesc", "ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "MoEOptions", "describe", "load_hf_config",
            "transformer_config", "padded_vocab_size"]
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
@@ -19,6 +17,32 @@ SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwe
 SCALAR_HEAD_ARCHITECTURES = {"Qwen3ForTokenClassification": "qwen3", "Qwen2ForTokenClassification": "qwen2",
                              "LlamaForTokenClassification": "llama", "Qwen3MoeForTokenClassification": "qwen3_moe"}
 _ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """The numbers the conversion needs (read from an HF config by :func:`describe`)."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_groups: int              # key/value heads
+    head_dim: int
+    vocab_size: int              # HF rows of embed_tokens / lm_head
+    padded_vocab_size: int       # megatron rows (TP-divisible)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    value_head: bool = False     # critic: a (1, hidden) head replaces the LM head
+    # Mixture-of-Experts (Qwen3-MoE): experts per MoE layer, their FFN size, routed per token,
+    # router renormalisation, and which layers are MoE (the others are dense, ffn_hidden_size)
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple = ()
 
 
 class ModelConfigError(ValueError):

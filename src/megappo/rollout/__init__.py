@@ -1,10 +1,11 @@
-"""Rollout with vLLM: the engine wrapper, weight sync from the actor, and the rollout replicas (which
-ranks form one engine, which prompts it gets, the gather of their samples).
+"""Rollout with vLLM: the engine wrapper (generation, sleep/wake, in-place weight loads) and the
+rollout replicas (which ranks form one engine, which prompts it gets, the gather of their
+samples). What the engine is sent, and when, is :mod:`megappo.sync`'s.
 
 Importing this package does not import vLLM; constructing :class:`VLLMRollout` does.
 """
 from .engine import RolloutOutput, SamplingConfig, VLLMRollout, layer_buckets, response_mask_from_ids
-from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica, rows_for_rank
+from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica
 
 __all__ = ["RolloutOutput", "SamplingConfig", "VLLMRollout", "layer_buckets", "response_mask_from_ids",
-           "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica", "rows_for_rank"]
+           "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica"]

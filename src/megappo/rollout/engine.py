@@ -18,7 +18,7 @@ Weight update path, by vLLM version: vllm 0.32/0.33 expose ``reload_weights`` on
 tensors, runs the model's own ``load_weights`` (fusing q/k/v and gate/up, slicing for vLLM's TP)
 and re-processes kernels layer by layer, keeping storage addresses (CUDA graphs stay valid).
 With ``is_checkpoint_format=False`` it copies vLLM-named, already sharded tensors into the
-parameters instead: :mod:`megappo.rollout.shard_sync` uses that when the layouts agree.
+parameters instead: :mod:`megappo.sync` uses that when the layouts agree.
 
 Mixture-of-Experts layers (Qwen3-MoE) take the same checkpoint-format path, each MoE layer whole in
 one call; vLLM 0.32's reload skips the CPU experts' weight prepacking, which
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -37,12 +36,15 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from megappo.convert import layer_buckets
+from megappo.seeds import prompt_seed
+
 if TYPE_CHECKING:
     from megappo.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "response_mask_from_ids", "layer_buckets"]
+__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "response_mask_from_ids"]
 
 
 @dataclass
@@ -88,39 +90,6 @@ def response_mask_from_ids(responses: torch.Tensor, eos_token_ids: Sequence[int]
     is_eos = torch.isin(responses, torch.tensor(list(eos_token_ids), dtype=responses.dtype)) & valid
     before_first_eos = (torch.cumsum(is_eos.int(), 1) - is_eos.int()) == 0
     return (valid & before_first_eos).float()
-
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def layer_buckets(named: Iterable, bucket_bytes: int) -> Iterator[list]:
-    """Group a stream of tensors into lists of at most ~``bucket_bytes`` that never split a
-    decoder layer (a layer larger than the bound travels alone). Tensors outside the layers
-    (embedding, final norm, head) join the bucket of the nearest layer. Items are ``(name,
-    tensor)`` pairs or :class:`~megappo.rollout.shard_sync.SyncTensor`; a bucket never mixes
-    full HF tensors with kernel-format shards (they take different reload calls)."""
-    bucket: list = []
-    size = 0
-    cur_layer = cur_kind = None
-    for item in named:
-        name, t = (item.name, item.tensor) if hasattr(item, "kernel") else item
-        kind = getattr(item, "kernel", False)
-        m = _LAYER.search(name)
-        layer = int(m.group(1)) if m else None
-        if bucket and kind != cur_kind:
-            yield bucket
-            bucket, size = [], 0
-        elif layer is not None and layer != cur_layer:
-            if cur_layer is not None and size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if layer is not None:
-            cur_layer = layer
-        cur_kind = kind
-        bucket.append(item)
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
 
 
 class VLLMRollout:
@@ -214,7 +183,7 @@ class VLLMRollout:
             params = []
             for i in range(len(prompts)):
                 p = base.clone()
-                p.seed = sampling.seed + i * sampling.n
+                p.seed = prompt_seed(sampling.seed, i, sampling.n)
                 params.append(p)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rows, lps, idx, reasons = [], [], [], []
@@ -249,7 +218,7 @@ class VLLMRollout:
     def sync_weights(self, named_tensors: Iterable, bucket_bytes: int = 64 << 20) -> dict:
         """Load the actor's weights into the running engine in place, in whole-layer buckets;
         then reset the prefix cache. Items: HF-named full tensors as ``(name, tensor)`` pairs,
-        or :class:`~megappo.rollout.shard_sync.SyncTensor` (full HF tensors, or this rank's
+        or :class:`~megappo.convert.SyncTensor` (full HF tensors, or this rank's
         shards in vLLM's kernel layout). Raises if a parameter of the engine got no tensor in any
         bucket (see :class:`_BucketedReloadLog`). Returns timing figures."""
         if self._sleeping:
@@ -614,22 +583,16 @@ def _with_tied_head(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
 
 
 def _save_process_state():
-    import numpy as np
+    from megappo import rng
 
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return (torch.get_rng_state(), random.getstate(), np.random.get_state(), torch.get_num_threads(),
-            torch.set_num_threads, cuda)
+    return rng.capture(cuda=True), torch.get_num_threads(), torch.set_num_threads
 
 
 def _restore_process_state(saved) -> None:
-    import numpy as np
+    from megappo import rng
 
-    rng, py, npy, threads, set_threads, cuda = saved
+    state, threads, set_threads = saved
     torch.set_num_threads = set_threads
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    torch.set_rng_state(rng)
-    random.setstate(py)
-    np.random.set_state(npy)
+    rng.restore(state)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

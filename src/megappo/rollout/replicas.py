@@ -1,13 +1,15 @@
 """Rollout replicas: prompts split over the vLLM replicas (never splitting a prompt's samples),
-results gathered and handed to the training data-parallel layout."""
+results gathered in prompt order on every rank."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from megappo.seeds import prompt_seed
+
 from .engine import RolloutOutput
 
-__all__ = ["rollout_replica", "prompt_slice", "gather_outputs", "rows_for_rank", "generate_replicated"]
+__all__ = ["rollout_replica", "prompt_slice", "gather_outputs", "generate_replicated"]
 
 
 def generate_replicated(engine, prompts: list, sampling, rank: int, world: int, rollout_tp: int,
@@ -21,7 +23,7 @@ def generate_replicated(engine, prompts: list, sampling, rank: int, world: int, 
     replica, n_rep = rollout_replica(rank, world, rollout_tp)
     sl = prompt_slice(len(prompts), replica, n_rep)
     mine = copy.copy(sampling)
-    mine.seed = sampling.seed + sl.start * sampling.n
+    mine.seed = prompt_seed(sampling.seed, sl.start, sampling.n)
     return gather_outputs(engine.generate(prompts[sl], mine), sl.start, rollout_tp, engine.pad_token_id, group)
 
 
@@ -67,14 +69,3 @@ def gather_outputs(local: RolloutOutput, prompt_offset: int, rollout_tp: int, pa
     dist.all_gather_object(objs, (prompt_offset, local), group=group)
     firsts = [objs[r] for r in range(0, world, rollout_tp)]
     return concat([o for _, o in firsts], [off for off, _ in firsts], pad_token_id)
-
-
-def rows_for_rank(out: RolloutOutput, dp_rank: int, dp_size: int) -> RolloutOutput:
-    """The training DP rank's contiguous share of the samples."""
-    n = out.responses.shape[0]
-    if n % dp_size:
-        raise ValueError(f"{n} samples do not split evenly over {dp_size} data-parallel ranks")
-    k = n // dp_size
-    s = slice(dp_rank * k, (dp_rank + 1) * k)
-    return RolloutOutput(out.prompt_index[s], out.responses[s], out.response_mask[s], out.rollout_log_probs[s],
-                         out.finish_reasons[s])

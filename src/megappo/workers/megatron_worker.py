@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megappo import algo
+from megappo import algo, seeds
 from megappo.batch import RolloutBatch
 from megappo.distributed import (log_probs_and_entropy, log_probs_from_logits, module_device,
                                  sum_pi_squared_from_vocab_parallel_logits)
@@ -241,7 +241,7 @@ class MegatronWorker:
             for i, mini in enumerate(batch.split(mini_batch_size)):
                 if prepare is not None:
                     # the scheduler's step count survives a resume: so does the sequence of seeds
-                    mini = prepare(mini, (int(self.scheduler.num_steps) * 1_000 + epoch) * 100_003 + i)
+                    mini = prepare(mini, seeds.mini_batch_seed(int(self.scheduler.num_steps), epoch, i))
                 mask = mini.loss_mask.to(self.device)
                 norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
                             global_seqs=algo.global_seq_count(mask, self.dp_group))

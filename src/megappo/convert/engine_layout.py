@@ -1,6 +1,7 @@
-"""Weight sync without the tensor-parallel gather when rollout and training shard alike.
+"""Megatron shards in the rollout engine's layout: weight sync without the tensor-parallel
+gather when rollout and training shard alike (the sync itself is :mod:`megappo.sync`).
 
-The general sync (:func:`~megappo.convert.hf_io.iter_hf_tensors`) gives every rank every FULL
+The general sync (:func:`~megappo.convert.iter_hf_tensors`) gives every rank every FULL
 HF tensor, and vLLM's ``load_weights`` slices out its own shard again: each rank receives the
 whole model through the TP group. When the rollout's TP size equals training's and a rank's vLLM
 TP rank equals its megatron TP rank (both put TP groups on consecutive ranks), the rank already
@@ -21,28 +22,29 @@ the same TP rank), so a rank receives 1/TP of what the general path sends.
 Mixture-of-Experts models always take the general path (see :func:`plan_shard_sync`).
 
 The plan is checked against the parameters the engine really has (names and shapes, from the
-engine), and agreed by every rank: vLLM's CPU backend repacks linear weights into oneDNN handles
+engine), and agreed by every rank (:mod:`megappo.sync`): vLLM's CPU backend repacks linear weights into oneDNN handles
 and leaves empty parameters, so on CPU the plan falls back to the general path unless that
 repacking is off (as in the test).
 """
 from __future__ import annotations
 
-import logging
+import re
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megappo.convert.hf_io import RankCoords, gather_full, local_params
-from megappo.convert.names import ModelDesc, ParamMap, full_shape, param_maps, to_hf
-from megappo.convert.parallel import tp_shard_shape
-from megappo.convert.tensor_maps import qkv_group_views
+from megappo.layout import RankCoords
+from megappo.models import ModelDesc
 
-log = logging.getLogger(__name__)
+from .hf_io import gather_full, local_params
+from .names import ParamMap, full_shape, param_maps, to_hf
+from .parallel import tp_shard_shape
+from .tensor_maps import qkv_group_views
 
-__all__ = ["SyncTensor", "ShardSyncPlan", "plan_shard_sync", "agree", "plan_for_engine", "iter_sync_tensors",
-           "kernel_name", "kernel_shard"]
+__all__ = ["SyncTensor", "ShardSyncPlan", "plan_shard_sync", "iter_sync_tensors", "kernel_name", "kernel_shard",
+           "layer_buckets"]
 
 
 @dataclass(frozen=True)
@@ -116,35 +118,6 @@ def plan_shard_sync(desc: ModelDesc, coords: RankCoords, te: bool, engine_params
     return ShardSyncPlan(frozenset(direct), nbytes, tuple(gathered)), ""
 
 
-def agree(plan: Optional[ShardSyncPlan], reason: str, group=None, device=None) -> tuple[Optional[ShardSyncPlan], str]:
-    """Every rank takes the direct path or none does (their collectives must pair up). ``device``:
-    where the vote lives, the group's device (a CUDA tensor on NCCL)."""
-    ok = torch.tensor([0 if plan is None else 1], dtype=torch.int32, device=device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if plan is not None and not ok.item():
-        return None, "another rank cannot take the direct path"
-    return plan, reason
-
-
-def plan_for_engine(engine, chunks, desc: ModelDesc, coords: RankCoords) -> Optional[ShardSyncPlan]:
-    """The plan for the actor ``chunks`` and the rollout ``engine`` (a :class:`VLLMRollout`),
-    agreed by every rank; the choice and its reason are logged once. Collective (world)."""
-    from megappo.models.layers import uses_te
-
-    params, tp, tp_rank = engine.kernel_layout()
-    any_param = next(chunks[0].parameters())
-    plan, why = agree(*plan_shard_sync(desc, coords, uses_te(chunks), params, tp, tp_rank,
-                                       element_size=any_param.element_size()), device=any_param.device)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if plan is None:
-            log.info("weight sync: full tensors gathered over TP (%s)", why)
-        else:
-            log.info("weight sync: each rank sends its own shards (%.1f MiB), %d tensors gathered in full",
-                     plan.direct_bytes / 2**20, len(plan.gathered))
-    return plan
-
-
 @torch.no_grad()
 def iter_sync_tensors(chunks, desc: ModelDesc, coords: RankCoords, plan: ShardSyncPlan,
                       te: bool) -> Iterator[SyncTensor]:
@@ -168,3 +141,36 @@ def iter_sync_tensors(chunks, desc: ModelDesc, coords: RankCoords, plan: ShardSy
             shard = shard.contiguous()
             dist.broadcast(shard, src=dist.get_global_rank(coords.pp_group, owner), group=coords.pp_group)
         yield SyncTensor(kernel_name(pm), kernel_shard(pm, shard, desc, coords.tp), kernel=True)
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def layer_buckets(named: Iterable, bucket_bytes: int) -> Iterator[list]:
+    """Group a stream of tensors into lists of at most ~``bucket_bytes`` that never split a
+    decoder layer (a layer larger than the bound travels alone). Tensors outside the layers
+    (embedding, final norm, head) join the bucket of the nearest layer. Items are ``(name,
+    tensor)`` pairs or :class:`SyncTensor`; a bucket never mixes
+    full HF tensors with kernel-format shards (they take different reload calls)."""
+    bucket: list = []
+    size = 0
+    cur_layer = cur_kind = None
+    for item in named:
+        name, t = (item.name, item.tensor) if hasattr(item, "kernel") else item
+        kind = getattr(item, "kernel", False)
+        m = _LAYER.search(name)
+        layer = int(m.group(1)) if m else None
+        if bucket and kind != cur_kind:
+            yield bucket
+            bucket, size = [], 0
+        elif layer is not None and layer != cur_layer:
+            if cur_layer is not None and size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if layer is not None:
+            cur_layer = layer
+        cur_kind = kind
+        bucket.append(item)
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket

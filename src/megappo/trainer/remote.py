@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from .engine import RolloutOutput, SamplingConfig
+from megappo.distributed import split
+from megappo.rollout import RolloutOutput, SamplingConfig
 
 __all__ = ["RemoteRollout", "serve"]
 
@@ -40,36 +41,30 @@ class RemoteRollout:
     def sync_weights(self, named, policy_version: int) -> dict:
         """The actor's full HF tensors (every training rank iterates its own ``named``) to the
         rollout ranks, as the weights of trainer step ``policy_version``."""
-        from megappo.distributed.split import send_command, send_weights
-
         self._idle("send weights")
         self.transfers += 1
         if self.groups.is_sender:
-            send_command(self.groups, WEIGHTS, self.transfers)
-        out = send_weights(self.groups, named, self.transfers)
+            split.send_command(self.groups, WEIGHTS, self.transfers)
+        out = split.send_weights(self.groups, named, self.transfers)
         self.policy_version = policy_version
         return out
 
     def request(self, prompts: list, sampling: SamplingConfig) -> None:
         """Start generating (``sampling.seed``: the seed of the batch's first prompt); collect()
         returns the outputs. The rollout ranks use the last weights sent."""
-        from megappo.distributed.split import send_command
-
         self._idle("request a generation")
         if self.policy_version is None:
             raise RuntimeError("RemoteRollout: no weights were sent to the rollout ranks yet")
         if self.groups.is_sender:
-            send_command(self.groups, GENERATE, {"prompts": [list(map(int, p)) for p in prompts],
+            split.send_command(self.groups, GENERATE, {"prompts": [list(map(int, p)) for p in prompts],
                                                  "sampling": copy.copy(sampling)})
         self.pending = self.policy_version
 
     def collect(self) -> tuple[RolloutOutput, int]:
         """(outputs of the requested generation in prompt order, the policy version that made them)."""
-        from megappo.distributed.split import receive_object
-
         if self.pending is None:
             raise RuntimeError("RemoteRollout.collect: no generation was requested")
-        out = receive_object(self.groups)
+        out = split.receive_object(self.groups)
         version, self.pending = self.pending, None
         return out, version
 
@@ -78,18 +73,14 @@ class RemoteRollout:
         return self.collect()[0]
 
     def reset_prefix_cache(self) -> None:
-        from megappo.distributed.split import send_command
-
         self._idle("reset the prefix cache")
         if self.groups.is_sender:
-            send_command(self.groups, RESET_PREFIX_CACHE)
+            split.send_command(self.groups, RESET_PREFIX_CACHE)
 
     def stop(self) -> None:
-        from megappo.distributed.split import send_command
-
         self._idle("stop the rollout ranks")
         if self.groups.is_sender:
-            send_command(self.groups, STOP)
+            split.send_command(self.groups, STOP)
 
     def _idle(self, what: str) -> None:
         if self.pending is not None:
@@ -101,22 +92,20 @@ def serve(cfg, groups) -> None:
     """The rollout ranks' program: one engine per rank (replicas of rollout TP ranks over the
     rollout group), commands executed until STOP."""
     from megappo import builders
-    from megappo.distributed.split import receive_command, receive_weights, send_object
-
-    from .replicas import generate_replicated
+    from megappo.rollout import generate_replicated
 
     engine = builders.build_engine(cfg)
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     version = None
     while True:
-        op, obj = receive_command(groups)
+        op, obj = split.receive_command(groups)
         if op == WEIGHTS:
-            version, buckets = receive_weights(groups, expected_version=obj)
+            version, buckets = split.receive_weights(groups, expected_version=obj)
             engine.sync_weights(p for b in buckets for p in b)
         elif op == GENERATE:
             out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
             if groups.bridge_rank == 1:
-                send_object(groups, out)
+                split.send_object(groups, out)
         elif op == RESET_PREFIX_CACHE:
             engine.reset_prefix_cache()
         elif op == STOP:

@@ -1,0 +1,100 @@
+"""The actor's weights into the rollout engine, in place (no disk), chosen once per run.
+
+Methods (the tensors' source; the destination is the engine, or the split placement's bridge):
+
+- **shard-direct** (``actor_rollout_ref.rollout.shard_sync``, colocated only): when rollout and
+  training shard alike, each rank hands the engine its own shards in the engine's layout
+  (:func:`megappo.convert.iter_sync_tensors`); the plan is checked against the parameters the
+  engine really has and agreed by every rank (:func:`plan_for_engine`), else the run falls back
+  to a full gather.
+- **shared memory** (every rank of the model-parallel group on one host, CPU tensors): each rank
+  writes its shards into one shared copy of the HF model (:func:`megappo.convert.plan_shared_gather`).
+- **full gather** (the general path): the owning stage all-gathers each tensor over TP and
+  broadcasts it over PP; every rank yields full HF tensors (:func:`megappo.convert.iter_hf_tensors`).
+- **the split placement's bridge**: the engine is a :class:`megappo.trainer.RemoteRollout`;
+  full HF tensors go from global rank 0 to the rollout ranks with the policy version
+  (:func:`megappo.distributed.split.send_weights`).
+
+Around every push each role's offloadable state leaves the device: the reference's and the
+critic's before the engine wakes, the actor's weights after they were streamed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo.convert import ShardSyncPlan, iter_hf_tensors, iter_sync_tensors, plan_shard_sync, plan_shared_gather
+from megappo.layout import RankCoords
+from megappo.models import ModelDesc, uses_te
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WeightSync", "agree", "plan_for_engine"]
+
+
+class WeightSync:
+    """``push(version)``: the actor's current weights into ``engine``. ``others``: workers whose
+    offloadable state leaves the device first (reference, critic). Every training rank calls it
+    (the gathers are collective)."""
+
+    def __init__(self, actor, desc: ModelDesc, engine, others=(), shard_direct: bool = False, remote: bool = False):
+        self.actor, self.desc, self.engine = actor, desc, engine
+        self.others = [w for w in others if w is not None]
+        self.remote = remote                     # the split placement: the bridge carries full tensors
+        self.shard_direct = shard_direct and not remote
+        self.plan: Optional[ShardSyncPlan] = None   # shard-direct's plan, made at the first push
+        self.shared = None                       # the shared-memory gather's plan (None: full gather)
+        self.planned = False
+
+    def push(self, version: int) -> dict:
+        """Sync the actor's weights; ``version``: the updates they have had (the rollout ranks
+        record it as the policy version of what they generate next)."""
+        for w in self.others:
+            w.offload()
+        self.actor.offload(params=False)
+        self.actor.state_offload.ensure(params=True)
+        coords = RankCoords.from_megatron()
+        if not self.planned:   # decided once, by all ranks together
+            self.plan = plan_for_engine(self.engine, self.actor.chunks, self.desc, coords) if self.shard_direct else None
+            if self.plan is None:  # CPU ranks of one host: gather through shared memory
+                self.shared = plan_shared_gather(self.actor.chunks, self.desc, coords)
+            self.planned = True
+        if self.plan is not None:
+            named = iter_sync_tensors(self.actor.chunks, self.desc, coords, self.plan, uses_te(self.actor.chunks))
+        else:
+            named = iter_hf_tensors(self.actor.chunks, self.desc, coords, shared=self.shared)
+        out = self.engine.sync_weights(named, policy_version=version) if self.remote else self.engine.sync_weights(named)
+        self.actor.offload()
+        return out
+
+
+def agree(plan: Optional[ShardSyncPlan], reason: str, group=None, device=None) -> tuple[Optional[ShardSyncPlan], str]:
+    """Every rank takes the direct path or none does (their collectives must pair up). ``device``:
+    where the vote lives, the group's device (a CUDA tensor on NCCL)."""
+    ok = torch.tensor([0 if plan is None else 1], dtype=torch.int32, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if plan is not None and not ok.item():
+        return None, "another rank cannot take the direct path"
+    return plan, reason
+
+
+def plan_for_engine(engine, chunks, desc: ModelDesc, coords: RankCoords) -> Optional[ShardSyncPlan]:
+    """The plan for the actor ``chunks`` and the rollout ``engine`` (a :class:`VLLMRollout`),
+    agreed by every rank; the choice and its reason are logged once. Collective (world)."""
+    params, tp, tp_rank = engine.kernel_layout()
+    any_param = next(chunks[0].parameters())
+    plan, why = agree(*plan_shard_sync(desc, coords, uses_te(chunks), params, tp, tp_rank,
+                                       element_size=any_param.element_size()), device=any_param.device)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if plan is None:
+            log.info("weight sync: full tensors gathered over TP (%s)", why)
+        else:
+            log.info("weight sync: each rank sends its own shards (%.1f MiB), %d tensors gathered in full",
+                     plan.direct_bytes / 2**20, len(plan.gathered))
+    return plan
+
+

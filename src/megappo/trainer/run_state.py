@@ -1,0 +1,81 @@
+"""The run's state across a restart: a checkpoint of the workers, the data order, the KL
+controller, each rank's RNG streams and (one-step off) the generation in flight; and its resume,
+after which the run continues exactly as the uninterrupted one would have."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from megappo import rng
+
+__all__ = ["checkpointed_workers", "save", "resume", "Resumed"]
+
+
+@dataclasses.dataclass
+class Resumed:
+    path: Optional[str]   # the checkpoint loaded (None: a fresh start)
+    step: int = 0
+    inflight: object = None
+
+
+def checkpointed_workers(actor, critic) -> dict:
+    """The checkpointed workers, with all their state on the device (saving and loading read and
+    write every tensor)."""
+    workers = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    for w in workers.values():
+        w.state_offload.reload_all()
+    return workers
+
+
+def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, inflight) -> str:
+    """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically."""
+    from megappo.checkpoint import save_checkpoint
+
+    tr = cfg.trainer
+    keep = tr.max_actor_ckpt_to_keep or tr.max_critic_ckpt_to_keep  # equal when both set (validate)
+    hf = {"actor": os.path.expanduser(cfg.actor_rollout_ref.model.path)}
+    if "critic" in workers:
+        hf["critic"] = os.path.expanduser(cfg.critic.model.path)
+    state = {"data": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "world_size": world,
+             "layout": dataclasses.asdict(layout)}
+    return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
+                           per_rank_state={**rng.capture(), "inflight": inflight}, hf_sources=hf)
+
+
+def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: bool) -> Resumed:
+    """Load the checkpoint ``trainer.resume_mode`` asks for (``workers_fn()``: the workers to
+    load into); a run that died before its first checkpoint starts over (its metric lines dropped)."""
+    from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint
+
+    tr = cfg.trainer
+    root = os.path.expanduser(tr.default_local_dir)
+    if tr.resume_mode == "disable":
+        return Resumed(None)
+    if tr.resume_mode == "auto":
+        step = latest_step(root)
+        if step is None:
+            logger.truncate_after(-1)
+            return Resumed(None)
+        path = os.path.join(root, f"global_step_{step}")
+    else:
+        path = os.path.expanduser(tr.resume_from_path if tr.resume_mode == "resume_path" else tr.resume_mode)
+    state, rank_state = load_checkpoint(path, workers_fn(), with_rank_state=True)
+    try:
+        sampler.load_state_dict(state["data"])
+        kl_ctrl.load_state_dict(state["kl_ctrl"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}/trainer_state.json: cannot restore the trainer state: {e}") from e
+    step = int(state["step"])
+    if rank_state is not None and state.get("world_size") == world:
+        rng.restore(rank_state)
+    inflight = None
+    if one_step_off:
+        # the generation in flight at the save (the next step's batch) was stored with it:
+        # the resumed run trains on exactly what the uninterrupted one trained on
+        rank0 = os.path.join(path, "rank_state", "rank_0.pt")
+        inflight = torch.load(rank0, weights_only=False).get("inflight") if os.path.isfile(rank0) else None
+    logger.truncate_after(step)
+    return Resumed(path, step, inflight)

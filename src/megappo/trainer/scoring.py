@@ -1,0 +1,105 @@
+"""The reward step: every sample of the global batch scored by the rule or custom reward function
+(on every rank) or by the reward model (each DP rank its rows, assembled on every rank), then
+shaped (DAPO's overlong penalty)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo import algo
+from megappo.batch import RolloutBatch
+
+__all__ = ["Scores", "Scorer"]
+
+
+@dataclass
+class Scores:
+    token_level: torch.Tensor     # (B, T) each response's reward on its last token, after shaping
+    per_sample: dict              # name -> (B,): score, seq_reward, seq_final_reward (and acc): what filters read
+    components: Optional[dict]    # name -> (B,) the reward function's components (algorithm.gdpo_reward_keys)
+    metrics: dict                 # the shaping's metrics
+
+
+class Scorer:
+    """``scorer(batch, items)`` -> :class:`Scores`. ``rows(batch)``: this DP rank's rows of a
+    global batch (the reward model scores those); ``check_finite(stage, **tensors)``: the
+    trainer's collective finiteness check."""
+
+    def __init__(self, cfg, tokenizer, custom_reward, reward_model, reward_batching, rows: Callable, dp_group,
+                 check_finite: Callable, timer):
+        self.cfg, self.tokenizer, self.custom_reward, self.reward_model = cfg, tokenizer, custom_reward, reward_model
+        self.reward_batching, self.rows, self.dp_group = reward_batching, rows, dp_group
+        self.check_finite, self.timer = check_finite, timer
+
+    def rule_scores(self, batch: RolloutBatch, items, details: Optional[list] = None) -> torch.Tensor:
+        """(B, T) the rule/custom function's scores, each on its response's last token.
+        ``details`` receives what the reward function returned per sample."""
+        from megappo.rewards import score_batch
+
+        texts = [self.tokenizer.decode(batch.responses[i, :int(batch.response_mask[i].sum())].tolist(),
+                                       skip_special_tokens=True) for i in range(len(batch))]
+        scores = score_batch([it.data_source for it in items], texts, [it.ground_truth for it in items],
+                             [it.extra_info for it in items], custom=self.custom_reward, details=details)
+        tls = torch.zeros_like(batch.response_mask)
+        last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
+        tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
+        return tls * batch.response_mask
+
+    def __call__(self, batch: RolloutBatch, items) -> Scores:
+        details, metrics = [], {}
+        with self.timer("reward"):
+            if self.reward_model is None:
+                tls = self.rule_scores(batch, items, details)
+            else:
+                rows = self.rows(batch)
+                local = self.reward_model.compute_scores(batch.select(rows), **self.reward_batching.kwargs())
+                tls = self._assemble_rows(local, rows, len(batch))
+        per_sample = {"score": tls.sum(-1)}
+        ob = self.cfg.reward_model.overlong_buffer
+        if ob.enable:
+            tls, metrics = algo.overlong_penalty(tls, batch.response_mask,
+                                                 max_response_length=self.cfg.data.max_response_length,
+                                                 buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+        self.check_finite("reward", scores=tls)
+        per_sample["seq_reward"] = per_sample["seq_final_reward"] = tls.sum(-1)
+        if self.cfg.algorithm.filter_groups.metric == "acc":
+            per_sample["acc"] = _acc(details, self.reward_model is not None)
+        keys = self.cfg.algorithm.gdpo_reward_keys
+        return Scores(tls, per_sample, _reward_components(details, keys) if keys else None, metrics)
+
+    def _assemble_rows(self, local: torch.Tensor, rows: list, n_rows: int) -> torch.Tensor:
+        """The full batch's tensor from every DP rank's rows."""
+        parts = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(parts, (rows, local.cpu()), group=self.dp_group)
+        out = torch.zeros((n_rows, *local.shape[1:]), dtype=local.dtype)
+        for r, t in parts:
+            out[torch.tensor(r, dtype=torch.long)] = t
+        return out
+
+
+def _reward_components(details: list, keys: list) -> dict:
+    """name -> (B,) float64: the reward function's per-component scores (gdpo_reward_keys)."""
+    from megappo.rewards import RewardFunctionError
+
+    for i, d in enumerate(details):
+        missing = [k for k in keys if not (isinstance(d, dict) and k in d)]
+        if missing:
+            raise RewardFunctionError(f"algorithm.gdpo_reward_keys={list(keys)} needs the reward function to return a "
+                                      f"dict with each of them; sample {i} returned {d!r} (missing {missing})")
+    return {k: torch.tensor([float(d[k]) for d in details], dtype=torch.float64) for k in keys}
+
+
+def _acc(details: list, reward_model: bool) -> torch.Tensor:
+    """(B,) the reward function's ``acc`` per sample (DAPO's filter metric)."""
+    from megappo.rewards import RewardFunctionError
+
+    missing = [i for i, d in enumerate(details) if not (isinstance(d, dict) and "acc" in d)]
+    if reward_model or missing:
+        raise RewardFunctionError(
+            "algorithm.filter_groups.metric=acc needs the reward function to return a dict with 'acc' "
+            + ("(a reward model gives scores only)" if reward_model else
+               f"(sample {missing[0]} returned {details[missing[0]]!r})") + "; or filter on score / seq_reward")
+    return torch.tensor([float(d["acc"]) for d in details], dtype=torch.float64)

@@ -1,0 +1,39 @@
+"""Validation: the whole validation set scored with ``rollout.val_kwargs`` sampling."""
+from __future__ import annotations
+
+import torch
+
+from megappo import seeds
+
+__all__ = ["validate"]
+
+
+def validate(cfg, val_data, generation, scorer, engine, timer, step: int) -> dict:
+    """``val-core/<data_source>/reward/mean@<n>`` (and ``best@<n>`` when n > 1)."""
+    from megappo.rollout import SamplingConfig
+
+    if val_data is None:
+        return {}
+    sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length, validation=True)
+    items = [val_data[i] for i in range(len(val_data))]
+    size = cfg.data.val_batch_size or len(items)
+    with timer("testing"):
+        # data.val_batch_size prompts per generate call; each prompt's seed depends on its place
+        # in the whole set, so the split does not change what is sampled
+        scores = []
+        for lo in range(0, len(items), size):
+            batch, its = generation.rollout(items[lo:lo + size], sampling, step, salt=seeds.VALIDATION, offset=lo)
+            scores.append(scorer.rule_scores(batch, its).sum(-1))
+        scores = torch.cat(scores).view(len(items), sampling.n)
+        # Training rollouts never see validation's cached prompts: a run resumed from the
+        # checkpoint of this step (fresh engine, empty cache) then samples exactly as this one.
+        engine.reset_prefix_cache()
+    out = {}
+    n = sampling.n
+    for src in sorted({it.data_source for it in items}):
+        rows = torch.tensor([i for i, it in enumerate(items) if it.data_source == src])
+        s = scores[rows].double()
+        out[f"val-core/{src}/reward/mean@{n}"] = s.mean().item()
+        if n > 1:
+            out[f"val-core/{src}/reward/best@{n}"] = s.max(-1).values.mean().item()
+    return out
