@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))   # this checkout's megappo (tasks, CollapseWatch), not the venv's install
 
 TASKS = {
     # max_response_length, target score, sample budget
@@ -137,6 +138,8 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method], *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    # this checkout's megappo, whatever the venv's editable install points at (PYTHONPATH kept after it)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
     # samples per step from the overrides actually passed (--extra may change n or the batch)
     last = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
     n = int(last["actor_rollout_ref.rollout.n"])
