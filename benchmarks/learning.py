@@ -282,6 +282,7 @@ def main(argv=None) -> int:
         flat[f"{task}_{method}_samples_to_target_median"] = med
         flat[f"{task}_{method}_samples_to_target_per_seed"] = [r["samples_to_target"] for r in rs]
         flat[f"{task}_{method}_collapsed_runs"] = n_coll
+        flat[f"{task}_{method}_score_at_budget_per_seed"] = [r["score_at_budget"] for r in rs]
     # megappo's PPO with a critic against its own GRPO (same settings) and TRL's PPO (TRL's settings)
     print()
     for task in tasks:

@@ -133,7 +133,8 @@ def test_config_validation_of_the_gae_options():
 
     e = error("algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1")
     assert "rollout.n > 1" in e["algorithm.gae_adv_norm"]
-    assert "batch or group" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "batch, group or group_shift" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_shift", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "[0, 1]" in error("algorithm.critic_lam=1.5")["algorithm.critic_lam"]
     assert "> 0" in error("algorithm.lam_length_alpha=0")["algorithm.lam_length_alpha"]
     cfg = load_config(["algorithm.gae_adv_norm=group", "algorithm.critic_lam=1.0", "algorithm.lam_length_alpha=0.05"],
@@ -167,3 +168,56 @@ def test_collapse_watch_names_the_failure_once():
     learning = CollapseWatch()   # entropy falls because the score rises: no warning
     assert not any(learning.update({"actor/entropy": 4.0 - 0.3 * i, "critic/score/mean": 0.02 + 0.1 * i})
                    for i in range(12))
+
+
+def _group_shift_reference(rewards, values, mask, index, gamma, lam, eps=1e-6):
+    """Per sample, by hand: GAE on values shifted so that V(s_0) = the group's mean score, over the
+    group's std; 0 for equal scores."""
+    score = (rewards * mask).sum(-1)
+    out = torch.zeros_like(values)
+    for i in range(len(score)):
+        members = score[index == index[i]]
+        mean, std = members.mean(), members.std()
+        if std > eps:
+            v = (values[i:i + 1] - values[i, 0] + mean) * mask[i:i + 1]
+            adv, _ = gae_reference(rewards[i:i + 1], v, mask[i:i + 1], gamma, lam)
+            out[i] = adv[0] / (std + eps)
+    return out
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.8, 0.5, 0.0])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_group_shift_matches_a_per_sample_loop(lam, gamma):
+    rewards, values, mask, index = _batch(seed=2)
+    got, ret = algo.compute_advantages("gae", token_level_rewards=rewards, values=values, response_mask=mask,
+                                       group_index=index, gamma=gamma, lam=lam, gae_adv_norm="group_shift")
+    torch.testing.assert_close(got, _group_shift_reference(rewards, values, mask, index, gamma, lam), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ret, gae_reference(rewards, values, mask, gamma, lam)[1], rtol=1e-9, atol=1e-9)
+
+
+def test_group_shift_is_group_at_lambda_1_and_the_td_residuals_at_lambda_0():
+    rewards, values, mask, index = _batch(seed=3)
+    kw = dict(token_level_rewards=rewards, values=values, response_mask=mask, group_index=index, gamma=1.0)
+    shift, _ = algo.compute_advantages("gae", lam=1.0, gae_adv_norm="group_shift", **kw)
+    group, _ = algo.compute_advantages("gae", lam=1.0, gae_adv_norm="group", **kw)
+    torch.testing.assert_close(shift, group, rtol=1e-9, atol=1e-9)
+    # lambda 0: every token but the last gets the critic's TD residual V_{t+1} - V_t on the group's scale
+    td, _ = algo.compute_advantages("gae", lam=0.0, gae_adv_norm="group_shift", **kw)
+    score = (rewards * mask).sum(-1)
+    for i in range(len(score)):
+        std = score[index == index[i]].std()
+        n = int(mask[i].sum())
+        if std > 1e-6 and n > 1:
+            torch.testing.assert_close(td[i, :n - 1], (values[i, 1:n] - values[i, :n - 1]) / (std + 1e-6))
+
+
+def test_group_shift_with_a_flat_critic_gives_grpo_times_lambda_powers():
+    """A critic that knows nothing (a constant): lambda^(tokens after t) times GRPO's advantage,
+    whatever the constant (group, at lambda < 1, would add (1 - lambda^k)(V - mean) instead)."""
+    rewards, values, mask, index = _batch(seed=4)
+    flat = torch.full_like(values, 0.37) * mask
+    got, _ = algo.compute_advantages("gae", token_level_rewards=rewards, values=flat, response_mask=mask,
+                                     group_index=index, gamma=1.0, lam=0.8, gae_adv_norm="group_shift")
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    after = mask.sum(-1, keepdim=True) - 1 - torch.arange(mask.shape[1])[None, :]
+    torch.testing.assert_close(got, (grpo.double() * 0.8 ** after.clamp(min=0) * mask), rtol=1e-5, atol=1e-5)

@@ -32,6 +32,7 @@ __all__ = [
     "group_max",
     "GAE_ADV_NORMS",
     "group_normalised_gae",
+    "group_shifted_gae",
     "equal_score_share",
     "length_adaptive_lam",
     "gae_per_sample_lam",
@@ -359,7 +360,7 @@ def _scores(token_level_rewards, response_mask):
     return (token_level_rewards.to(torch.float64) * response_mask.to(torch.float64)).sum(-1)
 
 
-GAE_ADV_NORMS = ("batch", "group")
+GAE_ADV_NORMS = ("batch", "group", "group_shift")
 
 
 def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -407,6 +408,33 @@ def group_normalised_gae(adv, values, token_level_rewards, response_mask, group_
     return _zero_masked(a.to(adv.dtype), response_mask)
 
 
+def group_shifted_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
+                      dp_group=None, eps: float = 1e-6):
+    """GAE(lambda) on the group's baseline and scale, consistent for every lambda.
+
+    Each sample's values are shifted by one constant so that its V(s_0) becomes its prompt
+    group's mean score (V'_t = V_t - V(s_0) + mean_g), GAE(gamma, lambda) runs on V', and the
+    result is divided by the group's score std (0 for a group whose samples all score alike):
+        A'_t = (A_t - lam^k_t (mean_g - V(s_0))) / std_g      (gamma = 1; k_t: response tokens after t)
+    i.e. the group's correction of the critic's prompt value enters through the last token's
+    residual. lambda = 1 (gamma = 1): exactly :func:`group_normalised_gae`
+    ((score - mean_g - (V_t - V_0)) / std_g, GRPO with the critic's change of value as a per-token
+    baseline); lambda = 0: the critic's TD residuals (r_t + V_{t+1} - V_t) on the group's scale,
+    the last one with the group's baseline. :func:`group_normalised_gae` at lambda < 1 adds the
+    whole (V_0 - mean_g) to every token instead (a bias on early tokens). Returns (B, T).
+    """
+    score = _scores(token_level_rewards, response_mask)
+    _, mean, std = group_stats(score, group_index, dp_group)
+    first = response_mask[:, 0].bool()
+    v64 = values.to(torch.float64)
+    v0 = torch.where(first, v64[:, 0], torch.zeros_like(mean))
+    shifted = _zero_masked(v64 + (mean - v0)[:, None], response_mask)
+    adv, _ = gae(token_level_rewards.to(torch.float64), shifted, response_mask, gamma, lam)
+    a = adv / (std[:, None] + eps)
+    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
+    return _zero_masked(a.to(values.dtype), response_mask)
+
+
 def equal_score_share(advantages, token_level_rewards, response_mask, group_index, dp_group=None) -> float:
     """Share of the advantages' squared size (over response tokens, DP-global) that sits on
     samples whose prompt group scored all alike: where the outcome gives no contrast, so the
@@ -439,9 +467,13 @@ def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp
     critic_lam = lam if critic_lam is None else critic_lam
     if critic_lam != lam or lam_length_alpha is not None:
         _, ret = gae(token_level_rewards, values, response_mask, gamma, critic_lam)
-    if gae_adv_norm == "group":
+    if gae_adv_norm in ("group", "group_shift"):
         if group_index is None:
-            raise ValueError("gae_adv_norm='group' needs group_index (one id per prompt)")
+            raise ValueError(f"gae_adv_norm={gae_adv_norm!r} needs group_index (one id per prompt)")
+        if gae_adv_norm == "group_shift":
+            if lam_length_alpha is not None:
+                raise ValueError("gae_adv_norm='group_shift' takes one lambda (algorithm.lam), not lam_length_alpha")
+            return group_shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group), ret
         return group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group), ret
     return masked_whiten(adv, response_mask, group=dp_group), ret
 
