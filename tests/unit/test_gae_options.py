@@ -133,7 +133,7 @@ def test_config_validation_of_the_gae_options():
 
     e = error("algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1")
     assert "rollout.n > 1" in e["algorithm.gae_adv_norm"]
-    assert "batch, group or group_shift" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "batch, group, group_shift or group_centred" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
     assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_shift", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "[0, 1]" in error("algorithm.critic_lam=1.5")["algorithm.critic_lam"]
     assert "> 0" in error("algorithm.lam_length_alpha=0")["algorithm.lam_length_alpha"]
@@ -221,3 +221,30 @@ def test_group_shift_with_a_flat_critic_gives_grpo_times_lambda_powers():
     grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
     after = mask.sum(-1, keepdim=True) - 1 - torch.arange(mask.shape[1])[None, :]
     torch.testing.assert_close(got, (grpo.double() * 0.8 ** after.clamp(min=0) * mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_group_centred_removes_the_group_common_part_of_the_critic_correction(lam):
+    rewards, values, mask, index = _batch(seed=5)
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=lam)
+    got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_centred", **kw)
+    # by hand: the group_shift advantage (unscaled) minus GRPO's outcome term is the critic's
+    # correction; subtract its mean over the group's samples present at each position
+    score = (rewards * mask).sum(-1)
+    shift = _group_shift_reference(rewards, values, mask, index, 1.0, lam, eps=0.0)
+    want = torch.zeros_like(values)
+    for i in range(len(score)):
+        g = index == index[i]
+        mean, std = score[g].mean(), score[g].std()
+        if std > 1e-6:
+            corr = (shift[g] * std - (score[g] - mean)[:, None]) * mask[g]
+            common = corr.sum(0) / mask[g].sum(0).clamp(min=1)
+            want[i] = ((score[i] - mean) + shift[i] * std - (score[i] - mean) - common) * mask[i] / (std + 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    # a critic whose values depend only on the prompt and the position (shared by the group): GRPO
+    # (at lambda 1; at lambda < 1 the outcome's lambda-decay is a per-sample term and stays)
+    shared = torch.randn(4, values.shape[1], dtype=torch.float64)[index] * mask
+    flat, _ = algo.compute_advantages("gae", values=shared, gae_adv_norm="group_centred", **kw)
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    if lam == 1.0:
+        torch.testing.assert_close(flat, grpo.double(), rtol=1e-5, atol=1e-5)

@@ -33,6 +33,7 @@ __all__ = [
     "GAE_ADV_NORMS",
     "group_normalised_gae",
     "group_shifted_gae",
+    "group_centred_gae",
     "equal_score_share",
     "length_adaptive_lam",
     "gae_per_sample_lam",
@@ -360,7 +361,7 @@ def _scores(token_level_rewards, response_mask):
     return (token_level_rewards.to(torch.float64) * response_mask.to(torch.float64)).sum(-1)
 
 
-GAE_ADV_NORMS = ("batch", "group", "group_shift")
+GAE_ADV_NORMS = ("batch", "group", "group_shift", "group_centred")
 
 
 def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -408,6 +409,19 @@ def group_normalised_gae(adv, values, token_level_rewards, response_mask, group_
     return _zero_masked(a.to(adv.dtype), response_mask)
 
 
+def _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group):
+    """(GAE on values shifted per sample so that V(s_0) = the group's mean score (B, T) float64,
+    and each sample's score, group mean, group std (B,))."""
+    score = _scores(token_level_rewards, response_mask)
+    _, mean, std = group_stats(score, group_index, dp_group)
+    first = response_mask[:, 0].bool()
+    v64 = values.to(torch.float64)
+    v0 = torch.where(first, v64[:, 0], torch.zeros_like(mean))
+    shifted = _zero_masked(v64 + (mean - v0)[:, None], response_mask)
+    adv, _ = gae(token_level_rewards.to(torch.float64), shifted, response_mask, gamma, lam)
+    return adv, score, mean, std
+
+
 def group_shifted_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
                       dp_group=None, eps: float = 1e-6):
     """GAE(lambda) on the group's baseline and scale, consistent for every lambda.
@@ -423,14 +437,33 @@ def group_shifted_gae(token_level_rewards, values, response_mask, group_index, g
     the last one with the group's baseline. :func:`group_normalised_gae` at lambda < 1 adds the
     whole (V_0 - mean_g) to every token instead (a bias on early tokens). Returns (B, T).
     """
-    score = _scores(token_level_rewards, response_mask)
-    _, mean, std = group_stats(score, group_index, dp_group)
-    first = response_mask[:, 0].bool()
-    v64 = values.to(torch.float64)
-    v0 = torch.where(first, v64[:, 0], torch.zeros_like(mean))
-    shifted = _zero_masked(v64 + (mean - v0)[:, None], response_mask)
-    adv, _ = gae(token_level_rewards.to(torch.float64), shifted, response_mask, gamma, lam)
+    adv, _, _, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
     a = adv / (std[:, None] + eps)
+    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
+    return _zero_masked(a.to(values.dtype), response_mask)
+
+
+def group_centred_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
+                      dp_group=None, eps: float = 1e-6):
+    """:func:`group_shifted_gae` keeping only the part of the critic's correction that differs
+    between the samples of a prompt group.
+
+    With O_i = score_i - mean_g (GRPO's advantage before its scale) and X_it the unnormalised
+    group_shift advantage, the critic's correction is C_it = X_it - O_i; its mean over the group's
+    samples that have a response token at t is a per-position baseline common to the whole
+    group (zero expected gradient: variance only), so it is removed:
+        A_it = (O_i + C_it - mean_{j in g, t}(C_jt)) / std_g          (0 where std_g = 0)
+    A critic that knows nothing beyond the prompt (any V(s_t) shared by the group) gives exactly
+    GRPO; what is left is the critic's per-token knowledge (V(s_t) differs between samples only
+    through their earlier tokens). Returns (B, T)."""
+    x, score, mean, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
+    m = response_mask.to(torch.float64)
+    o = (score - mean)[:, None] * m
+    c = (x - o) * m
+    sums = group_sums(torch.cat([c, m], 1), group_index, dp_group)
+    T = c.shape[1]
+    common = sums[:, :T] / sums[:, T:].clamp(min=1)
+    a = (o + c - common) / (std[:, None] + eps)
     a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
     return _zero_masked(a.to(values.dtype), response_mask)
 
@@ -467,13 +500,14 @@ def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp
     critic_lam = lam if critic_lam is None else critic_lam
     if critic_lam != lam or lam_length_alpha is not None:
         _, ret = gae(token_level_rewards, values, response_mask, gamma, critic_lam)
-    if gae_adv_norm in ("group", "group_shift"):
+    if gae_adv_norm in ("group", "group_shift", "group_centred"):
         if group_index is None:
             raise ValueError(f"gae_adv_norm={gae_adv_norm!r} needs group_index (one id per prompt)")
-        if gae_adv_norm == "group_shift":
+        if gae_adv_norm in ("group_shift", "group_centred"):
             if lam_length_alpha is not None:
-                raise ValueError("gae_adv_norm='group_shift' takes one lambda (algorithm.lam), not lam_length_alpha")
-            return group_shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group), ret
+                raise ValueError(f"gae_adv_norm={gae_adv_norm!r} takes one lambda (algorithm.lam), not lam_length_alpha")
+            fn = group_shifted_gae if gae_adv_norm == "group_shift" else group_centred_gae
+            return fn(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group), ret
         return group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group), ret
     return masked_whiten(adv, response_mask, group=dp_group), ret
 

@@ -219,12 +219,12 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         need(v is None or 0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
     need(al.lam_length_alpha is None or al.lam_length_alpha > 0, "algorithm.lam_length_alpha",
          f"must be > 0 (VAPO uses 0.05), got {al.lam_length_alpha}")
-    need(al.gae_adv_norm in ("batch", "group", "group_shift"), "algorithm.gae_adv_norm",
-         f"must be batch, group or group_shift, got {al.gae_adv_norm!r}")
-    if al.gae_adv_norm == "group_shift":
+    need(al.gae_adv_norm in ("batch", "group", "group_shift", "group_centred"), "algorithm.gae_adv_norm",
+         f"must be batch, group, group_shift or group_centred, got {al.gae_adv_norm!r}")
+    if al.gae_adv_norm in ("group_shift", "group_centred"):
         need(al.lam_length_alpha is None, "algorithm.gae_adv_norm",
-             "group_shift takes one lambda (algorithm.lam): unset algorithm.lam_length_alpha")
-    if al.gae_adv_norm in ("group", "group_shift"):
+             f"{al.gae_adv_norm} takes one lambda (algorithm.lam): unset algorithm.lam_length_alpha")
+    if al.gae_adv_norm in ("group", "group_shift", "group_centred"):
         need(n > 1, "algorithm.gae_adv_norm",
              f"group normalisation compares the samples of a prompt: needs actor_rollout_ref.rollout.n > 1, got {n}")
     if al.adv_estimator != "gae":
