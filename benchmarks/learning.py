@@ -15,6 +15,8 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
 Methods (see MEGAPPO and TRL_ARGS):
   gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
   gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
+  gae_centred  the same with algorithm.gae_adv_norm=group_centred and lam 1: GRPO's advantage plus
+             only the part of the critic's per-token baseline that differs within the prompt group
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
              mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
@@ -81,7 +83,8 @@ MEGAPPO["dapo"] = MEGAPPO["grpo"] + ["actor_rollout_ref.actor.clip_ratio_high=0.
 MEGAPPO["grpo_is"] = MEGAPPO["grpo"] + ["algorithm.rollout_correction.rollout_is=token",
                                         "algorithm.rollout_correction.rollout_is_threshold=2.0"]
 MEGAPPO["gae_group"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group"]
-SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+MEGAPPO["gae_centred"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_centred", "algorithm.lam=1.0"]
+SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae_centred": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],

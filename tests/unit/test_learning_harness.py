@@ -34,3 +34,17 @@ def test_median_counts_a_missed_target_as_infinite():
     assert learning.median_spread([1000, None, 3000]) == (3000, 1000, None)
     assert learning.median_spread([1000, None, None]) == (None, 1000, None)
     assert learning.median_spread([2000, 1000, 3000]) == (2000, 1000, 3000)
+
+
+def test_every_megappo_method_has_its_samples_per_step():
+    assert set(learning.MEGAPPO) == set(learning.SAMPLES_PER_STEP)
+    for method, overrides in learning.MEGAPPO.items():
+        last = dict(o.split("=", 1) for o in overrides)
+        assert learning.SAMPLES_PER_STEP[method] == int(last["actor_rollout_ref.rollout.n"]) * int(last["data.train_batch_size"])
+
+
+def test_the_harness_imports_this_checkout():
+    """The harness uses the megappo of the checkout the script sits in (not whatever the venv's
+    editable install points at); its runs get the same folder first on PYTHONPATH."""
+    import sys
+    assert sys.path.index(str(learning.ROOT / "src")) < len(sys.path)
