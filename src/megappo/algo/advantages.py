@@ -460,9 +460,14 @@ def group_centred_gae(token_level_rewards, values, response_mask, group_index, g
     m = response_mask.to(torch.float64)
     o = (score - mean)[:, None] * m
     c = (x - o) * m
-    sums = group_sums(torch.cat([c, m], 1), group_index, dp_group)
-    T = c.shape[1]
-    common = sums[:, :T] / sums[:, T:].clamp(min=1)
+    T = Tg = c.shape[1]
+    if dp_group is not None:   # the ranks may hold different widths T: sum over the widest one's columns
+        width = torch.tensor([T], dtype=torch.int64, device=c.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
+        Tg = int(width.item())
+    pad = (lambda z: torch.nn.functional.pad(z, (0, Tg - T))) if Tg > T else (lambda z: z)
+    sums = group_sums(torch.cat([pad(c), pad(m)], 1), group_index, dp_group)
+    common = sums[:, :T] / sums[:, Tg:Tg + T].clamp(min=1)
     a = (o + c - common) / (std[:, None] + eps)
     a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
     return _zero_masked(a.to(values.dtype), response_mask)
