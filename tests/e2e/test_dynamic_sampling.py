@@ -30,7 +30,7 @@ def _worker(rank, world, model, train, run_dir, extra):
     from megappo.config import load_config, validate
     from megappo.trainer import PPOTrainer, init_distributed
 
-    original = PPOTrainer.deal
+    original = PPOTrainer.dp_rows
 
     def recording(self, global_batch):
         """What the step trains on: each group's metric values (every rank holds the global batch)."""
@@ -41,7 +41,7 @@ def _worker(rank, world, model, train, run_dir, extra):
             Path(run_dir, "trained_groups.json").write_text(json.dumps(groups))
         return original(self, global_batch)
 
-    PPOTrainer.deal = recording
+    PPOTrainer.dp_rows = recording
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
                        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.logger=[file]",

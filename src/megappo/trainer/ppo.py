@@ -119,7 +119,8 @@ class PPOTrainer:
                 batch.token_level_scores, batch.reward_components = scores.token_level, scores.components
                 reward_metrics = scores.metrics
             self.engine.sleep()
-            local = self.deal(batch)   # this DP rank's rows
+            batch.sample_index = torch.arange(len(batch))   # each row keeps its place in the global batch
+            local = batch.select(self.dp_rows(batch))       # this DP rank's rows
             with t("old_log_prob"):
                 local.old_log_prob, local.sum_pi_squared = phases.old_log_probs(self.actor, local, cfg, self.batching)
             check("old_log_prob", old_log_prob=local.old_log_prob)
@@ -163,12 +164,8 @@ class PPOTrainer:
         return metrics
 
     def dp_rows(self, batch: RolloutBatch) -> list[int]:
+        """This DP rank's rows of a global batch (balanced per actor mini-batch)."""
         return phases.dp_rows(batch, self.cfg, self.batching, self.dp, self.dp_rank)
-
-    def deal(self, batch: RolloutBatch) -> RolloutBatch:
-        """This DP rank's rows; each keeps its row number in the global batch (``sample_index``)."""
-        batch.sample_index = torch.arange(len(batch))
-        return batch.select(self.dp_rows(batch))
 
     def check(self, stage: str, **tensors) -> None:
         """Collective: a NaN/inf on any rank after ``stage`` stops every rank (phases.check_finite)."""
