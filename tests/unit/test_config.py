@@ -816,3 +816,19 @@ def test_custom_reward_function_path_checked_on_real_start(tmp_path):
     err = fails([f"custom_reward_function.path={tmp_path}/nope.py"], check_paths=True)
     assert "file not found" in dict(err.errors)["custom_reward_function.path"]
     ok([f"custom_reward_function.path={tmp_path}/nope.py"])  # the dry run does not look
+
+
+def test_verl_reward_model_forward_micro_batch_and_torch_compile():
+    """verl's reward_model.forward_micro_batch_size_per_gpu sets the reward model's forward
+    micro-batch; use_torch_compile is accepted, with a warning saying it does nothing here."""
+    from megappo.config import load_config
+
+    warnings = []
+    cfg = load_config(["reward_model.forward_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.use_torch_compile=True",
+                       "actor_rollout_ref.ref.use_torch_compile=False"], ["tiny_cpu"], warnings=warnings)
+    assert cfg.reward_model.micro_batch_size_per_gpu == 3
+    assert [w for w in warnings if "use_torch_compile" in w] == [
+        w for w in warnings if w.startswith("actor_rollout_ref.actor.use_torch_compile=True has no effect")]
+    assert len([w for w in warnings if "use_torch_compile" in w]) == 1
+    cfg = load_config([], ["tiny_cpu"])
+    assert cfg.reward_model.micro_batch_size_per_gpu == cfg.critic.forward_micro_batch_size_per_gpu

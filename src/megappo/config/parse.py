@@ -157,12 +157,20 @@ def apply_override(cfg: PPOConfig, text: str) -> None:
         raise ValueError(f"override {text!r} is not of the form key=value")
     key, value = text.split("=", 1)
     key = key.strip().lstrip("+")
+    key = _renamed(key)
     try:
         _set(cfg, key, value, from_text=True)
     except KeyError as e:
         raise KeyError(e.args[0]) from None
     except ValueError as e:
         raise ValueError(f"{key}={value}: {e}") from None
+
+
+def _renamed(path: str) -> str:
+    """megappo's key for a verl key that names one of its settings differently (verl_keys.RENAMED)."""
+    from megappo.config import verl_keys
+
+    return verl_keys.RENAMED.get(path, path)
 
 
 def _verl_key(path: str, value: Any, errors: Optional[list], warnings: Optional[list]) -> bool:
@@ -193,7 +201,7 @@ def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optio
     """Apply a (nested or dotted) mapping, e.g. a parsed YAML preset; the key paths set are
     appended to ``set_paths``. verl keys with no field here: see megappo.config.verl_keys."""
     for k, v in mapping.items():
-        path = prefix + str(k)
+        path = _renamed(prefix + str(k))
         try:
             obj, name, tp = _locate(cfg, path)
             if _is_section(tp) and isinstance(v, dict):

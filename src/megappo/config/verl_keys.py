@@ -32,9 +32,13 @@ def _truthy(v: Any) -> bool:
     return v not in (False, None, 0, "false", "False")
 
 
+# verl keys that name a megappo setting by another name: the value goes to megappo's key
+RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_gpu"}
+
 RULES: list[tuple[str, Rule]] = [
     # accepted: what megappo does anyway, or a no-op until the feature lands
     ("actor_rollout_ref.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
+    ("actor_rollout_ref.*.use_torch_compile", _when(_truthy, "warn", "has no effect: megappo does not torch.compile; its log-prob and entropy kernel is its own (vocab-parallel, chunked) and megatron's fused layers run as they are")),
     ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
     ("*.megatron.dist_checkpointing_path", lambda v: None),
     # the reference is forward-only with loaded weights: no optimizer, no seeded initialisation
