@@ -832,3 +832,30 @@ def test_verl_reward_model_forward_micro_batch_and_torch_compile():
     assert len([w for w in warnings if "use_torch_compile" in w]) == 1
     cfg = load_config([], ["tiny_cpu"])
     assert cfg.reward_model.micro_batch_size_per_gpu == cfg.critic.forward_micro_batch_size_per_gpu
+
+
+def test_verl_compat_says_what_each_override_becomes(tmp_path):
+    import subprocess
+
+    from megappo.config.parse import verl_compat
+
+    assert verl_compat("data.train_batch_size=64")[0] == "set"
+    assert verl_compat("reward_model.forward_micro_batch_size_per_gpu=4") == (
+        "mapped", "reward_model.forward_micro_batch_size_per_gpu", "sets reward_model.micro_batch_size_per_gpu")
+    assert verl_compat("actor_rollout_ref.actor.use_torch_compile=False")[0] == "accepted"
+    assert verl_compat("actor_rollout_ref.actor.use_torch_compile=True")[0] == "warned"
+    status, key, why = verl_compat("actor_rollout_ref.actor.megatron.context_parallel_size=2")
+    assert (status, key) == ("refused", "actor_rollout_ref.actor.megatron.context_parallel_size") and "context" in why
+    assert verl_compat("data.train_batch_size=abc") == ("refused", "data.train_batch_size", "expected an integer, got 'abc'")
+    assert verl_compat("trainer.nobody=1")[0] == "unknown"
+    cmd = tmp_path / "run_verl.sh"
+    cmd.write_text("# comment\npython3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \\\n"
+                   "    data.train_batch_size=64 \\\n    +actor_rollout_ref.actor.use_torch_compile=True $@\n")
+    p = subprocess.run([sys.executable, "-m", "megappo.config", "--verl-compat", str(cmd)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[:2] == ["set       data.train_batch_size: a megappo key",
+                                         p.stdout.splitlines()[1]] and p.stdout.splitlines()[1].startswith("warned ")
+    assert p.stdout.splitlines()[-1] == "2 overrides: 0 refused or unknown"
+    cmd.write_text("trainer.nobody=1\n")
+    p = subprocess.run([sys.executable, "-m", "megappo.config", "--verl-compat", str(cmd)], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stdout.startswith("unknown   trainer.nobody")

@@ -1,9 +1,15 @@
-"""python -m megappo.config [--print | --check] [FILE]: the configuration reference table.
+"""python -m megappo.config [--print | --check] [FILE]: the configuration reference table;
+python -m megappo.config --verl-compat FILE: what each verl override in FILE becomes here.
 
 Without options it rewrites the table between the ``config-reference`` markers of FILE (default:
 the repository's ``docs/configuration.md``); ``--check`` only says whether that copy is current
-(exit 1 when stale); ``--print`` prints the table."""
+(exit 1 when stale); ``--print`` prints the table. ``--verl-compat`` reads a verl launch command
+or a file of overrides (``key=value`` tokens; comments, line continuations and other words are
+skipped) and prints one line per override: set, mapped, accepted, warned, refused (with the
+reason) or unknown; it exits 1 when any is refused or unknown, so a command can be checked before
+booking GPUs."""
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,7 +23,11 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--print", action="store_true", help="print the table instead of writing it")
     mode.add_argument("--check", action="store_true", help="exit 1 when FILE's copy is stale")
+    mode.add_argument("--verl-compat", action="store_true",
+                      help="FILE holds verl overrides (a launch command): say what each becomes here")
     args = ap.parse_args(argv)
+    if args.verl_compat:
+        return verl_compat_main(args.file)
     table = config_reference_markdown()
     if args.print:
         print(table)
@@ -38,6 +48,25 @@ def main(argv=None) -> int:
         args.file.write_text(new, encoding="utf-8")
     print(f"{args.file}: configuration reference {'rewritten' if new != text else 'already current'}")
     return 0
+
+
+def verl_compat_main(path: Path) -> int:
+    from megappo.config.parse import verl_compat
+
+    if path == REFERENCE_DOC or not path.is_file():
+        print(f"megappo.config --verl-compat: {path} is not a file of verl overrides", file=sys.stderr)
+        return 2
+    text = path.read_text(encoding="utf-8").replace("\\\n", " ")
+    lines = [line.split("#", 1)[0] if line.lstrip().startswith("#") else line for line in text.splitlines()]
+    tokens = [t for t in shlex.split("\n".join(lines)) if "=" in t and not t.startswith("-")
+              and "." in t.split("=", 1)[0] or t.split("=", 1)[0].lstrip("+") in ("model_engine",)]
+    bad = 0
+    for t in tokens:
+        status, key, what = verl_compat(t)
+        bad += status in ("refused", "unknown")
+        print(f"{status:9s} {key}: {what}")
+    print(f"{len(tokens)} overrides: {bad} refused or unknown")
+    return 1 if bad else 0
 
 
 sys.exit(main())

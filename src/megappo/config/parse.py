@@ -361,7 +361,7 @@ def load_config(
     for text in overrides:
         try:
             apply_override(cfg, text)
-            src[text.split("=", 1)[0].strip().lstrip("+")] = "the command line"
+            src[_renamed(text.split("=", 1)[0].strip().lstrip("+"))] = "the command line"
         except KeyError as e:
             key, value = (x.strip() for x in text.split("=", 1))
             if not _verl_key(key.lstrip("+"), value, errs, warnings):
@@ -401,3 +401,27 @@ def to_dict(cfg: Any) -> dict:
 def to_yaml(cfg: PPOConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
 
+
+
+def verl_compat(text: str) -> tuple[str, str, str]:
+    """What one verl override ``key=value`` becomes here: (status, key, what), status one of
+    ``set`` (a megappo key of the same name), ``mapped`` (another megappo key), ``accepted``,
+    ``warned``, ``refused`` (with the reason) or ``unknown``."""
+    from megappo.config import verl_keys
+
+    if "=" not in text:
+        return "refused", text, "not of the form key=value"
+    key, value = (x.strip() for x in text.split("=", 1))
+    key = key.lstrip("+")
+    target = _renamed(key)
+    try:
+        apply_override(PPOConfig(), f"{target}={value}")
+        return ("mapped", key, f"sets {target}") if target != key else ("set", key, "a megappo key")
+    except ValueError as e:
+        return "refused", key, str(e).split(": ", 1)[-1]
+    except KeyError as e:
+        got = verl_keys.check(key, value)
+        if got is None:
+            return "unknown", key, e.args[0]
+        kind, msg = got
+        return {"ok": "accepted", "warn": "warned", "error": "refused"}[kind], key, msg or "what megappo does anyway"
