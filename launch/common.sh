@@ -119,12 +119,28 @@ megappo_launch() {
     slurm)
       [[ -n "${SLURM_JOB_ID:-}" ]] || megappo_fail "LAUNCHER=slurm runs inside an allocation: sbatch launch/slurm.sbatch <recipe>"
       # One torchrun per node; each learns its node rank from SLURM_NODEID at run time.
-      local cmd
+      # CONTAINER_IMAGE runs it in the image: pyxis/enroot (srun --container-image; an image
+      # name or a .sqsh file) or Apptainer (a .sif file, or CONTAINER_RUNTIME=apptainer), with
+      # the image's python (CONTAINER_PYTHON, default python) and this checkout mounted.
+      local cmd container=() runtime=""
+      if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+        runtime="${CONTAINER_RUNTIME:-$([[ "$CONTAINER_IMAGE" == *.sif ]] && echo apptainer || echo pyxis)}"
+        PYTHON="${CONTAINER_PYTHON:-python}"
+        case "$runtime" in
+          pyxis) container=(--container-image "$CONTAINER_IMAGE" --container-workdir "$PWD"
+                            --container-mounts "${CONTAINER_MOUNTS:-$MEGAPPO_ROOT:$MEGAPPO_ROOT,$PWD:$PWD}") ;;
+          apptainer) ;;
+          *) megappo_fail "CONTAINER_RUNTIME=$runtime: expected pyxis or apptainer" ;;
+        esac
+      fi
       cmd="$(printf '%q ' "$PYTHON" -m torch.distributed.run --nnodes "$JOB_NNODES" --nproc_per_node "$NGPUS_PER_NODE" \
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")"
       cmd+='--node_rank "$SLURM_NODEID" '
       cmd+="$(printf '%q ' -m megappo.train "${cfg[@]}" "${MEGAPPO_ARGS[@]}" "$@")"
-      exec srun --nodes "$JOB_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
+      if [[ "$runtime" == apptainer ]]; then
+        cmd="$(printf '%q ' apptainer exec --nv --bind "${CONTAINER_MOUNTS:-$MEGAPPO_ROOT,$PWD}" "$CONTAINER_IMAGE" bash -c "$cmd")"
+      fi
+      exec srun "${container[@]}" --nodes "$JOB_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
     *) megappo_fail "LAUNCHER=$LAUNCHER: expected torchrun, ray or slurm" ;;
   esac
 }

@@ -213,3 +213,35 @@ def test_ray_launcher_names_a_killed_rank_before_its_peers_errors():
     assert [o["rank"] for o in sort_failures([peer, killed])] == [1, 0]
     first = {"rank": 2, "code": 1, "time": 99.0, "error": "ValueError"}
     assert [o["rank"] for o in sort_failures([peer, first])] == [2, 0]   # else the earliest
+
+
+def _srun_args(tmp_path, **env):
+    """The arguments launch/slurm.sbatch hands srun for the qwen3_8b recipe (srun and scontrol
+    replaced by stand-ins that print their arguments / the first host)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 10.0.0.1\n")
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    for f in ("scontrol", "srun"):
+        (bin_dir / f).chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_JOB_NODELIST": "n[1-2]", "NGPUS_PER_NODE": "8", **env}
+    p = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), str(REPO / "launch" / "qwen3_8b.sh")],
+                       env=full, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.splitlines()
+
+
+def test_slurm_runs_in_a_container_image(tmp_path):
+    """CONTAINER_IMAGE: pyxis/enroot (srun --container-image) for an image name, Apptainer for a
+    .sif file; either way the image's python runs one torchrun per node."""
+    plain = _srun_args(tmp_path)
+    assert plain[0] == "--nodes" and "--container-image" not in plain
+    args = _srun_args(tmp_path, CONTAINER_IMAGE="nvcr.io#me/megappo:gpu")
+    assert args[:2] == ["--container-image", "nvcr.io#me/megappo:gpu"] and "--container-mounts" in args
+    cmd = args[args.index("-c") + 1]
+    assert cmd.startswith("python -m torch.distributed.run --nnodes 2 --nproc_per_node 8 "), cmd
+    args = _srun_args(tmp_path, CONTAINER_IMAGE="/img/megappo.sif")
+    assert args[0] == "--nodes" and "--container-image" not in args
+    cmd = args[args.index("-c") + 1]
+    assert cmd.startswith("apptainer exec --nv --bind ") and " /img/megappo.sif bash -c python\\ -m\\ torch.distributed.run" in cmd
