@@ -49,6 +49,8 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
                                         "whose defaults megappo starts from; pass your own YAML with --config"))
     cfg = load_config(args.overrides, args.config or [], raise_errors=False, errors=errors, sources=sources,
                       warnings=warnings)
+    if not args.dry_run:
+        _resolve_hub_ids(cfg, errors)
     world = os.environ.get("WORLD_SIZE")
     try:
         validate(cfg, check_paths=not args.dry_run, world_size=None if args.dry_run or world is None else int(world),
@@ -61,6 +63,31 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
     if errors:
         raise ConfigError(errors)
     return cfg, warnings
+
+
+MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
+
+
+def _resolve_hub_ids(cfg: PPOConfig, errors: list) -> None:
+    """Hub ids among the model paths become their local snapshot (downloaded once per node, see
+    megappo.hub); one that cannot be had is an error naming it, before anything starts."""
+    from megappo import hub
+    from megappo.config import get
+
+    from megappo.config import critic_enabled
+
+    used = {"actor_rollout_ref.model.path": True, "critic.model.path": critic_enabled(cfg),
+            "reward_model.model.path": cfg.reward_model.enable}
+    for key in MODEL_PATH_KEYS:
+        if not used[key]:
+            continue
+        section, _, name = key.rpartition(".")
+        value = get(cfg, key)
+        if isinstance(value, str) and hub.is_hub_id(value):
+            try:
+                setattr(get(cfg, section), name, hub.resolve(value))
+            except hub.HubError as e:
+                errors.append((key, str(e)))
 
 
 def describe_layout(cfg: PPOConfig) -> str:
