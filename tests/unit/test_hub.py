@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_one_download_per_node(offline_cache, monkeypatch):
         if local_files_only:
             return real(repo, revision=revision, cache_dir=cache_dir, local_files_only=True)
         downloads.append(repo)
+        time.sleep(0.3)   # a download takes a while: ranks without the lock would all start one
         return str(_cache(Path(cache_dir), repo))   # "download": the snapshot lands in the cache
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
