@@ -402,11 +402,19 @@ def group_normalised_gae(adv, values, token_level_rewards, response_mask, group_
     """
     score = _scores(token_level_rewards, response_mask)
     _, mean, std = group_stats(score, group_index, dp_group)
-    first = response_mask[:, 0].bool()
-    v0 = torch.where(first, values[:, 0].to(torch.float64), torch.zeros_like(mean))
-    a = (adv.to(torch.float64) + (v0 - mean)[:, None]) / (std[:, None] + eps)
-    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
-    return _zero_masked(a.to(adv.dtype), response_mask)
+    a = adv.to(torch.float64) + (_prompt_value(values, response_mask) - mean)[:, None]
+    return _zero_masked(_on_group_scale(a, std, eps).to(adv.dtype), response_mask)
+
+
+def _prompt_value(values, response_mask) -> torch.Tensor:
+    """(B,) float64 V(s_0), the critic's value of the prompt (0 for an empty response)."""
+    v0 = values[:, 0].to(torch.float64)
+    return torch.where(response_mask[:, 0].bool(), v0, torch.zeros_like(v0))
+
+
+def _on_group_scale(a: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T) advantages divided by their group's score std; 0 for a group that scored alike."""
+    return torch.where((std > eps)[:, None], a / (std[:, None] + eps), torch.zeros_like(a))
 
 
 def _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group):
@@ -414,10 +422,8 @@ def _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma,
     and each sample's score, group mean, group std (B,))."""
     score = _scores(token_level_rewards, response_mask)
     _, mean, std = group_stats(score, group_index, dp_group)
-    first = response_mask[:, 0].bool()
-    v64 = values.to(torch.float64)
-    v0 = torch.where(first, v64[:, 0], torch.zeros_like(mean))
-    shifted = _zero_masked(v64 + (mean - v0)[:, None], response_mask)
+    shifted = _zero_masked(values.to(torch.float64) + (mean - _prompt_value(values, response_mask))[:, None],
+                           response_mask)
     adv, _ = gae(token_level_rewards.to(torch.float64), shifted, response_mask, gamma, lam)
     return adv, score, mean, std
 
@@ -438,9 +444,7 @@ def group_shifted_gae(token_level_rewards, values, response_mask, group_index, g
     whole (V_0 - mean_g) to every token instead (a bias on early tokens). Returns (B, T).
     """
     adv, _, _, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
-    a = adv / (std[:, None] + eps)
-    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
-    return _zero_masked(a.to(values.dtype), response_mask)
+    return _zero_masked(_on_group_scale(adv, std, eps).to(values.dtype), response_mask)
 
 
 def group_centred_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
@@ -468,9 +472,7 @@ def group_centred_gae(token_level_rewards, values, response_mask, group_index, g
     pad = (lambda z: torch.nn.functional.pad(z, (0, Tg - T))) if Tg > T else (lambda z: z)
     sums = group_sums(torch.cat([pad(c), pad(m)], 1), group_index, dp_group)
     common = sums[:, :T] / sums[:, Tg:Tg + T].clamp(min=1)
-    a = (o + c - common) / (std[:, None] + eps)
-    a = torch.where((std > eps)[:, None], a, torch.zeros_like(a))
-    return _zero_masked(a.to(values.dtype), response_mask)
+    return _zero_masked(_on_group_scale(o + c - common, std, eps).to(values.dtype), response_mask)
 
 
 def equal_score_share(advantages, token_level_rewards, response_mask, group_index, dp_group=None) -> float:
