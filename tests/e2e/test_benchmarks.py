@@ -58,11 +58,14 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     figures = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(figures) == {"wall_s", "words_grpo_samples_to_target_median", "words_grpo_samples_to_target_per_seed",
-                            "words_grpo_collapsed_runs"}
+                            "words_grpo_collapsed_runs", "words_grpo_score_at_budget_per_seed"}
     assert figures["words_grpo_samples_to_target_per_seed"] == [None]   # 3 steps reach no target
     assert figures["words_grpo_collapsed_runs"] == 0
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("words/grpo/s0")]
     assert len(rows) == 3 and all(0.0 <= float(r[2]) <= 1.0 and float(r[3]) > 0 for r in rows)  # score, entropy
+    # all 3 steps lie within the budget: the score at budget is their mean (printed to 3 places)
+    assert figures["words_grpo_score_at_budget_per_seed"][0] == pytest.approx(
+        sum(float(r[2]) for r in rows) / 3, abs=1e-3)
 
 
 @pytest.mark.e2e
