@@ -39,10 +39,13 @@ def enforce_eager(cfg: PPOConfig) -> bool:
 
 
 def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,
-                device: torch.device, checkpointing: bool = False):
+                device: torch.device, checkpointing: bool = False, section: Optional[str] = None):
     """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
     equals the actor's, validated; sequence parallelism, the seed and recomputation are the
-    role's; ``checkpointing``: its model section's enable_gradient_checkpointing).
+    role's; ``checkpointing``: its model section's enable_gradient_checkpointing). The weights
+    come from model.path, or from ``mc``'s dist_checkpointing_path when it sets
+    use_dist_checkpointing (``section``: ``mc``'s key; None for the reward model, which borrows
+    the critic's layout but always loads its own model.path).
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
     from megappo.convert import load_hf_weights
     from megappo.layout import RankCoords
@@ -62,8 +65,24 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
                           value_head_std=cfg.critic.model.value_head_init_std)
-    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
+    if section is not None and mc.use_dist_checkpointing:
+        start_from_checkpoint(chunks, mc, value_head=value_head, section=section)
+    else:
+        load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     return info, tcfg, chunks
+
+
+def start_from_checkpoint(chunks, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool, section: str) -> None:
+    """A role's weights from its dist_checkpointing_path (verl's use_dist_checkpointing) instead
+    of model.path's HF weights; a mismatch is an error naming ``section``'s key and the tensors."""
+    from megappo.checkpoint import load_start_weights
+
+    notes = load_start_weights(chunks, os.path.expanduser(mc.dist_checkpointing_path),
+                               prefix=mc.dist_checkpointing_prefix, value_head=value_head,
+                               key=f"{section}.dist_checkpointing_path")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        for note in [f"{section}: weights from {mc.dist_checkpointing_path}"] + notes:
+            print(f"[megappo] {note}", flush=True)
 
 
 def moe_options(cfg: PPOConfig, mc: MegatronConfig | RefMegatronConfig):
@@ -125,7 +144,8 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
 
     arr = cfg.actor_rollout_ref
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device,
-                                     checkpointing=arr.model.enable_gradient_checkpointing)
+                                     checkpointing=arr.model.enable_gradient_checkpointing,
+                                     section="actor_rollout_ref.actor.megatron")
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
     _set_offload(actor, arr.actor.megatron)
@@ -141,7 +161,8 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int):
     arr = cfg.actor_rollout_ref
     if not (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
         return None
-    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device)
+    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device,
+                                     section="actor_rollout_ref.ref.megatron")
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
     ref.set_offload(params=arr.ref.megatron.param_offload)
     ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None)   # the actor's model section
@@ -156,7 +177,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
         return None
     c = cfg.critic
     _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
-                                  checkpointing=c.model.enable_gradient_checkpointing)
+                                  checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron")
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
-           "CheckpointError"]
+           "load_start_weights", "CheckpointError"]
 
 # fully_reshardable: optimizer tensors keyed like the parameters' global tensors (any TP/PP/DP);
 # no chained_N. prefix: the chain of optimizers depends on the expert-parallel size.
@@ -62,7 +62,11 @@ def _barrier() -> None:
 
 
 def _model_keys(worker) -> list[str]:
-    return ["model"] if len(worker.chunks) == 1 else [f"model{i}" for i in range(len(worker.chunks))]
+    return _model_keys_of(worker.chunks)
+
+
+def _model_keys_of(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
 def _sharded(worker, is_loading: bool) -> dict:
@@ -239,28 +243,40 @@ def _check_model_shapes(request: dict, path: str) -> None:
     """Every model tensor the workers ask for is in the checkpoint with the same global shape;
     else one CheckpointError naming the tensors (e.g. another num_experts or vocabulary)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     try:
         saved = dist_checkpointing.load_tensors_metadata(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint metadata: {type(e).__name__}: {e}") from e
-    problems, seen = [], set()
+    problems, _ = _model_problems(request, saved)
+    if problems:
+        raise CheckpointError(f"{path}: the checkpoint does not match the model: {_first(problems)}")
+
+
+def _first(problems: list[str], n: int = 3) -> str:
+    return "; ".join(problems[:n]) + (f" (+{len(problems) - n} more)" if len(problems) > n else "")
+
+
+def _model_problems(request: dict, saved: dict) -> tuple[list[str], list[str]]:
+    """(problems, missing keys): the requested model tensors absent from the checkpoint's
+    metadata ``saved`` or of another global shape (shape-tolerant ones excepted)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    problems, missing, seen = [], [], set()
     for sh in nested_values(request):
         if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or sh.key in seen or "_extra_state" in sh.key:
             continue
         seen.add(sh.key)
         if sh.key not in saved:
             problems.append(f"{sh.key} is missing from the checkpoint")
+            missing.append(sh.key)
         elif isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch:
             have, want = tuple(saved[sh.key].global_shape), tuple(sh.global_shape)
             if have != want:
                 problems.append(f"{sh.key} is {have} in the checkpoint, the model has {want}")
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"{path}: the checkpoint does not match the model: " + "; ".join(problems[:3]) + more)
+    return problems, missing
 
 
 def load_worker(worker, path: str) -> None:
@@ -305,6 +321,103 @@ def load_worker(worker, path: str) -> None:
             raise CheckpointError(f"{path}: the optimizer state was loaded without Adam's step counts")
         _unshare_adam_step(worker)
         worker.scheduler.load_state_dict(state["scheduler"])
+
+
+_VALUE_HEAD = ("output_layer.weight", "output_layer.bias")
+
+
+def _drop_value_head(request: dict, saved: dict, prefix: str) -> tuple[set, list[str]]:
+    """A critic starting from a language-model checkpoint keeps its initialised value head:
+    megatron marks output_layer.weight shape-tolerant (vocabulary padding), so a (vocab, hidden)
+    LM head would otherwise load silently into the (1, hidden) value head as its first row.
+    Drops the head's entries from ``request`` (in place) unless the checkpoint holds a value head
+    (a head saved without bias keeps its bias 0). Returns (the module names dropped, notes)."""
+    w, b = (prefix + k for k in _VALUE_HEAD)
+    have = [sd for sd in request.values() if w in sd]
+    if not have:
+        return set(), []     # not the last pipeline stage
+    want = tuple(have[0][w].global_shape)
+    got = tuple(saved[w].global_shape) if w in saved else None
+    drop = ([w, b] if got != want else []) + ([b] if b not in saved else [])
+    for sd in have:
+        for k in drop:
+            sd.pop(k, None)
+    if got == want:
+        return {k[len(prefix):] for k in drop}, []
+    what = f"a language-model head of shape {got}" if got else "no output layer"
+    return set(_VALUE_HEAD), [f"the checkpoint has {what}: the value head keeps its initialisation"]
+
+
+def _unexpected_keys(request: dict, saved: dict, prefix: str, skip: set) -> list[str]:
+    """Model tensors of the checkpoint that no rank of this model asks for (collective): another
+    depth, experts the model lacks, or a different architecture. Optimizer state and TE's
+    extra state are not model tensors."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    mine = {getattr(sh, "key", None) for sh in nested_values(request)}
+    everyone = set()
+    for keys in _all_gather_str(json.dumps(sorted(k for k in mine if k))):
+        everyone.update(json.loads(keys))
+    return sorted(k for k in saved if k.startswith(prefix) and not k.startswith("optimizer.")
+                  and "_extra_state" not in k and k not in everyone and k not in skip)
+
+
+def _prefix_hint(missing: list[str], saved: dict, prefix: str) -> str:
+    """When the model's names sit in the checkpoint under another prefix: which to set."""
+    for key in missing:
+        bare = key[len(prefix):]
+        for k in saved:
+            if k.endswith("." + bare) or (k.endswith(bare) and k != bare):
+                return f" (the checkpoint names it {k!r}: set dist_checkpointing_prefix={k[:-len(bare)]!r})"
+    return ""
+
+
+def load_start_weights(chunks, path: str, *, prefix: str = "", value_head: bool = False, key: str = "") -> list[str]:
+    """A role's starting weights from a megatron-core dist_checkpointing model checkpoint (verl's
+    converter_hf_to_mcore.py, a megappo or verl training checkpoint, or dist_checkpointing.save
+    of a model's sharded_state_dict(prefix)) into ``chunks`` built at any TP/PP/EP. Checked
+    before anything loads, on every rank together: each tensor the model has is in the checkpoint
+    with the same global shape (vocabulary padding may differ) and the checkpoint has no model
+    tensor the model lacks; else one CheckpointError on every rank naming ``key`` and the tensors.
+    TE's extra state is not read (a checkpoint from the local layer spec has none). Returns notes
+    for the log. Collective over the world, like megatron's load."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    where = f"{key}={path}" if key else path
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(path)
+    except Exception as e:
+        saved, err = {}, e
+    else:
+        err = None
+    _agree(err, f"{where}: cannot read the checkpoint metadata")
+    request = {k: c.sharded_state_dict(prefix=prefix) for k, c in zip(_model_keys_of(chunks), chunks)}
+    for sd in request.values():
+        for k in [k for k, v in sd.items() if isinstance(v, ShardedObject) and k.endswith("_extra_state")]:
+            del sd[k]
+    dropped, notes = _drop_value_head(request, saved, prefix) if value_head else (set(), [])
+    problems, missing = _model_problems(request, saved)
+    err = CheckpointError(f"the checkpoint does not match the model: {_first(problems)}"
+                          f"{_prefix_hint(missing, saved, prefix)}") if problems else None
+    _agree(err, where)
+    extra = _unexpected_keys(request, saved, prefix, {prefix + k for k in _VALUE_HEAD} if value_head else set())
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint does not match the model: it has {len(extra)} tensor(s) the "
+                              f"model lacks: {_first(extra)} (another number of layers or experts, or another "
+                              f"model than model.path's config.json?)")
+    try:
+        state = dist_checkpointing.load(request, path)
+        for k, chunk in zip(_model_keys_of(chunks), chunks):
+            # the load returns the request's names, which carry the prefix; the module's do not
+            res = chunk.load_state_dict({n[len(prefix):]: v for n, v in state[k].items()}, strict=False)
+            left = [m for m in res.missing_keys if not m.endswith("_extra_state") and m not in dropped]
+            if left:
+                raise CheckpointError(f"the checkpoint left {len(left)} model tensor(s) unset: {_first(left, 5)}")
+    except Exception as e:
+        err = e
+    _agree(err, f"{where}: cannot load")
+    return notes
 
 
 def latest_step(root: str) -> Optional[int]:

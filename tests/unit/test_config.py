@@ -552,7 +552,14 @@ RULES = [
      "reward_model.micro_batch_size_per_gpu", "must be set unless reward_model.use_dynamic_bsz"),
     (["data.max_response_length=10000000"], {}, "data.max_response_length",
      "data.max_prompt_length + data.max_response_length = 10000064 tokens is implausibly long; expected fewer than 10000000"),
+    ([A + "megatron.use_dist_checkpointing=true"], {}, A + "megatron.dist_checkpointing_path",
+     "must be set when actor_rollout_ref.actor.megatron.use_dist_checkpointing=True"),
     # -- paths, on a real start only -------------------------------------------------------------
+    (GOOD_PATHS + ["critic.megatron.use_dist_checkpointing=true", "critic.megatron.dist_checkpointing_path={tmp}/nockpt"],
+     PATHS, "critic.megatron.dist_checkpointing_path", "checkpoint directory not found: {tmp}/nockpt"),
+    (GOOD_PATHS + [A + "megatron.use_dist_checkpointing=true", A + "megatron.dist_checkpointing_path={tmp}/ckpt"],
+     PATHS, A + "megatron.dist_checkpointing_path", "{tmp}/ckpt is not a megatron-core dist_checkpointing folder "
+     "(no metadata.json; expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"),
     (GOOD_PATHS + ["data.val_files={tmp}/nope.parquet"], PATHS, "data.val_files", "file not found: {tmp}/nope.parquet"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/nomodel"], PATHS, "actor_rollout_ref.model.path",
      "model directory not found: {tmp}/nomodel"),
@@ -859,3 +866,24 @@ def test_verl_compat_says_what_each_override_becomes(tmp_path):
     cmd.write_text("trainer.nobody=1\n")
     p = subprocess.run([sys.executable, "-m", "megappo.config", "--verl-compat", str(cmd)], capture_output=True, text=True)
     assert p.returncode == 1 and p.stdout.startswith("unknown   trainer.nobody")
+
+
+def test_start_checkpoint_warnings():
+    """A dist_checkpointing_path without use_dist_checkpointing is ignored, and an actor that
+    starts from a checkpoint beside a reference that does not: both said, neither an error."""
+    m = "actor_rollout_ref.actor.megatron."
+    warnings = []
+    ok([m + "dist_checkpointing_path=/ckpt"], warnings=warnings)
+    assert warnings == [f"{m}dist_checkpointing_path is set but {m}use_dist_checkpointing is False: the weights "
+                        f"come from the HF folder in model.path"]
+    warnings = []
+    ok([m + "use_dist_checkpointing=true", m + "dist_checkpointing_path=/ckpt", A + "use_kl_loss=true"],
+       warnings=warnings)
+    assert warnings == [f"{m}use_dist_checkpointing=True but actor_rollout_ref.ref.megatron.use_dist_checkpointing="
+                        f"False: the reference policy starts from model.path's HF weights, not from the actor's "
+                        f"checkpoint"]
+    warnings = []
+    ok([m + "use_dist_checkpointing=true", m + "dist_checkpointing_path=/ckpt", A + "use_kl_loss=true",
+        "actor_rollout_ref.ref.megatron.use_dist_checkpointing=true",
+        "actor_rollout_ref.ref.megatron.dist_checkpointing_path=/ckpt"], warnings=warnings)
+    assert warnings == []

@@ -12,11 +12,9 @@ from verl_commands import VERL_COMMANDS
 
 # Keys that name features megappo lacks, per command (every other key must be accepted).
 LACKING = {
-    "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh": {
-        "actor_rollout_ref.actor.megatron.use_dist_checkpointing", "actor_rollout_ref.ref.megatron.use_dist_checkpointing",
-        "critic.megatron.use_dist_checkpointing"},
     "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh": None,  # MoE: filled in below
 }
+DIST_CKPT = "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh"   # starts from verl's mcore checkpoint
 MOE = "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh"
 SAYS_WHY = ("not supported", "Megatron-only", "must be False", "must be 1", "issue ")
 
@@ -243,3 +241,35 @@ def test_cuda_graphs_by_default_on_gpu_eager_on_cpu():
     assert enforce_eager(load_config([], ["tiny_cpu"])) is True
     assert enforce_eager(load_config(["actor_rollout_ref.rollout.enforce_eager=True"])) is True
     assert enforce_eager(load_config(["actor_rollout_ref.rollout.enforce_eager=False"], ["tiny_cpu"])) is False
+
+
+def test_the_dist_checkpointing_command_starts_when_its_checkpoint_exists(tmp_path):
+    """The real start's path checks on verl's use_dist_checkpointing command: its three roles'
+    dist_checkpointing_path must be a dist_checkpointing folder (metadata.json) for each role the
+    run builds (the actor and the critic: with no KL term there is no reference, as in verl); the
+    model folder, data files and world size are another machine's, so only these keys are looked at."""
+    from megappo import train
+    from megappo.config import ConfigError
+
+    cmd = next(c for c in VERL_COMMANDS if c["source"] == DIST_CKPT)
+    keys = {_key(a) for a in cmd["argv"] if ".dist_checkpointing_path=" in a}
+    assert keys == {"actor_rollout_ref.actor.megatron.dist_checkpointing_path",
+                    "actor_rollout_ref.ref.megatron.dist_checkpointing_path", "critic.megatron.dist_checkpointing_path"}
+
+    built = keys - {"actor_rollout_ref.ref.megatron.dist_checkpointing_path"}
+
+    def path_errors(ckpt):
+        argv = [f"{_key(a)}={ckpt}" if _key(a) in keys else a for a in cmd["argv"]]
+        with pytest.raises(ConfigError) as e:   # the model folder and data files are another machine's
+            train.build_config(train.parse_args(argv))
+        return {k: m for k, m in e.value.errors if k in keys}
+
+    assert {k: m.split(" [")[0] for k, m in path_errors(tmp_path / "none").items()} == {
+        k: f"checkpoint directory not found: {tmp_path / 'none'}" for k in built}
+    (tmp_path / "empty").mkdir()
+    assert all("is not a megatron-core dist_checkpointing folder (no metadata.json" in m
+               for m in path_errors(tmp_path / "empty").values()) and len(path_errors(tmp_path / "empty")) == 2
+    ckpt = tmp_path / "mcore"
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert path_errors(ckpt) == {}

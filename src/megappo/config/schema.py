@@ -105,6 +105,9 @@ class MegatronConfig:
     param_offload: bool = _f(False, "Keep this role's weights in host memory while it is idle (during rollout and the other roles' passes); they come back before its next forward.")
     grad_offload: bool = _f(False, "Free this role's gradient buffer while it is idle (gradients are zeroed before every update, so nothing is copied).")
     optimizer_offload: bool = _f(False, "Keep this role's optimizer state (fp32 main weights, Adam moments) in host memory while it is idle.")
+    use_dist_checkpointing: bool = _f(False, "Start this role's weights from a megatron-core dist_checkpointing (torch_dist) model checkpoint at dist_checkpointing_path instead of model.path's HF weights (model.path still gives config.json and the tokenizer). The checkpoint may come from verl's converter_hf_to_mcore.py, a megappo or verl training checkpoint, or megatron's dist_checkpointing.save at any TP/PP/EP; names and shapes are checked against the model megappo builds (a mismatch is an error naming the tensors). A critic loading a language-model checkpoint keeps its freshly initialised value head.")
+    dist_checkpointing_path: Optional[str] = _f(None, "The dist_checkpointing folder (with metadata.json) use_dist_checkpointing reads.")
+    dist_checkpointing_prefix: str = _f("", "Prefix of the model's tensor names in that checkpoint (verl's key; '' for checkpoints of the bare model, as verl's converter writes them).")
     override_transformer_config: RecomputeConfig = _sub(RecomputeConfig, "Activation recomputation (verl's override_transformer_config.recompute_*) and, for Mixture-of-Experts models, the router's losses and precision (moe_*).")
 
 
@@ -118,6 +121,9 @@ class RefMegatronConfig:
     expert_model_parallel_size: int = _f(1, "Expert-parallel size (EP), Mixture-of-Experts models only.")
     expert_tensor_parallel_size: Optional[int] = _f(None, "Expert tensor-parallel size: 1 or null (experts whole on their EP rank).")
     param_offload: bool = _f(False, "Keep the reference's weights in host memory except during its log-prob pass.")
+    use_dist_checkpointing: bool = _f(False, "Start this role's weights from a megatron-core dist_checkpointing (torch_dist) model checkpoint at dist_checkpointing_path instead of model.path's HF weights (model.path still gives config.json and the tokenizer). The checkpoint may come from verl's converter_hf_to_mcore.py, a megappo or verl training checkpoint, or megatron's dist_checkpointing.save at any TP/PP/EP; names and shapes are checked against the model megappo builds (a mismatch is an error naming the tensors). A critic loading a language-model checkpoint keeps its freshly initialised value head.")
+    dist_checkpointing_path: Optional[str] = _f(None, "The dist_checkpointing folder (with metadata.json) use_dist_checkpointing reads.")
+    dist_checkpointing_prefix: str = _f("", "Prefix of the model's tensor names in that checkpoint (verl's key; '' for checkpoints of the bare model, as verl's converter writes them).")
 
 
 # The reference and the critic share the actor's process groups (megatron-core keeps one global

@@ -55,6 +55,7 @@ def validate(
     _sampling(cfg, need, W)
     _optimizers(cfg, need)
     _trainer(cfg, need)
+    _start_checkpoints(cfg, need, W)
     if check_paths:
         _paths(cfg, need, installed)
     if E:
@@ -396,6 +397,36 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
          f"tokens is implausibly long; expected fewer than {10**7}")
 
 
+def _start_checkpoint_roles(cfg: PPOConfig) -> list[str]:
+    """The megatron sections (keys) of the roles this run builds that may start from a
+    dist_checkpointing folder: the actor, the reference when a KL term needs it, the critic."""
+    roles = [A + "megatron"]
+    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        roles.append("actor_rollout_ref.ref.megatron")
+    if critic_enabled(cfg):
+        roles.append("critic.megatron")
+    return roles
+
+
+def _start_checkpoints(cfg: PPOConfig, need: Need, W: list[str]) -> None:
+    """use_dist_checkpointing needs its path; a path without it is ignored (said); an actor that
+    starts from a checkpoint beside a reference that starts from model.path is said too (verl
+    loads each role from its own section)."""
+    roles = _start_checkpoint_roles(cfg)
+    for sect in roles:
+        m = get(cfg, sect)
+        if m.use_dist_checkpointing:
+            need(bool(m.dist_checkpointing_path), sect + ".dist_checkpointing_path",
+                 f"must be set when {sect}.use_dist_checkpointing=True (the dist_checkpointing folder to start from)")
+        elif m.dist_checkpointing_path:
+            W.append(f"{sect}.dist_checkpointing_path is set but {sect}.use_dist_checkpointing is False: "
+                     f"the weights come from the HF folder in model.path")
+    ref = "actor_rollout_ref.ref.megatron"
+    if ref in roles and get(cfg, A + "megatron").use_dist_checkpointing and not get(cfg, ref).use_dist_checkpointing:
+        W.append(f"{A}megatron.use_dist_checkpointing=True but {ref}.use_dist_checkpointing=False: the reference "
+                 f"policy starts from model.path's HF weights, not from the actor's checkpoint")
+
+
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
     """A real start: files, model folders and the packages the chosen loggers need exist."""
     tr = cfg.trainer
@@ -407,6 +438,14 @@ def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None
         _check_model_path(cfg, "critic.model.path", need)
     if cfg.reward_model.enable and cfg.reward_model.model.path:
         _check_model_path(cfg, "reward_model.model.path", need)
+    for sect in _start_checkpoint_roles(cfg):
+        m = get(cfg, sect)
+        if m.use_dist_checkpointing and m.dist_checkpointing_path:
+            p = Path(os.path.expanduser(m.dist_checkpointing_path))
+            need((p / "metadata.json").is_file(), sect + ".dist_checkpointing_path",
+                 f"{m.dist_checkpointing_path} is not a megatron-core dist_checkpointing folder (no metadata.json; "
+                 f"expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"
+                 if p.is_dir() else f"checkpoint directory not found: {m.dist_checkpointing_path}")
     crf = cfg.custom_reward_function.path
     if crf:
         need(Path(os.path.expanduser(crf)).is_file(), "custom_reward_function.path", f"file not found: {crf}")
@@ -463,5 +502,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _optimizers, _trainer, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _optimizers, _trainer, _start_checkpoints, _paths, _check_model_path,
                   _check_experts)

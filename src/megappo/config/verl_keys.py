@@ -40,7 +40,7 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
     ("actor_rollout_ref.*.use_torch_compile", _when(_truthy, "warn", "has no effect: megappo does not torch.compile; its log-prob and entropy kernel is its own (vocab-parallel, chunked) and megatron's fused layers run as they are")),
     ("*.megatron.use_mbridge", _when(_truthy, "warn", "has no effect: megappo converts HF weights itself")),
-    ("*.megatron.dist_checkpointing_path", lambda v: None),
+    ("reward_model.megatron.dist_checkpointing_*", lambda v: None),
     # the reference is forward-only with loaded weights: no optimizer, no seeded initialisation
     ("actor_rollout_ref.ref.megatron.use_distributed_optimizer", lambda v: None),
     ("actor_rollout_ref.ref.megatron.seed", lambda v: None),
@@ -60,7 +60,7 @@ RULES: list[tuple[str, Rule]] = [
     ("ray_kwargs.*", _always("warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
     # features megappo lacks
     ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: context parallelism is not supported")),
-    ("*.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: megappo starts from the HF folder in model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
+    ("reward_model.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: the reward model loads from the HF folder in reward_model.model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
     # MoE performance switches of verl's Megatron recipes: what megappo does, or a note that it does not
     ("*.megatron.override_transformer_config.moe_grouped_gemm", _when(lambda v: not _truthy(v), "warn", "has no effect: megappo uses TransformerEngine's grouped expert GEMMs whenever TransformerEngine is installed (SequentialMLP otherwise)")),
     ("*.megatron.override_transformer_config.moe_token_dispatcher_type", _when(lambda v: v != "alltoall", "warn", "has no effect: megappo dispatches tokens to experts with megatron's alltoall dispatcher")),
