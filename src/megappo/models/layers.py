@@ -95,8 +95,12 @@ def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=
     experts = config.num_moe_experts
     if use_te:
         if experts:   # per-layer dense/MoE specs with TE's grouped experts
+            # this builder takes q/k norms from config.qk_layernorm, not from an argument
+            if bool(config.qk_layernorm) != qk_layernorm:
+                raise ValueError(f"layer_spec: qk_layernorm={qk_layernorm} but the TransformerConfig says "
+                                 f"{config.qk_layernorm}")
             return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
-                                                    qk_layernorm=qk_layernorm, vp_stage=vp_stage, pp_rank=pp_rank)
+                                                    vp_stage=vp_stage, pp_rank=pp_rank)
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
     def local(num_experts):
