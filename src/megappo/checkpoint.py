@@ -38,7 +38,11 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
-           "load_start_weights", "CheckpointError"]
+           "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES"]
+
+# Resuming a checkpoint whose per-rank state holds pickled Python objects (what megappo wrote
+# before it saved plain tensors) needs this set to 1 once: such a file can run code on load.
+TRUST_PICKLES = "MEGAPPO_TRUST_PICKLED_CHECKPOINT"
 
 # fully_reshardable: optimizer tensors keyed like the parameters' global tensors (any TP/PP/DP);
 # no chained_N. prefix: the chain of optimizers depends on the expert-parallel size.
@@ -645,12 +649,30 @@ def load_checkpoint(path: str, workers: dict, with_rank_state: bool = False):
         load_worker(worker, os.path.join(path, name))
     if not with_rank_state:
         return state
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    return state, read_rank_state(path, dist.get_rank() if dist.is_initialized() else 0)
+
+
+def read_rank_state(path: str, rank: int) -> Optional[dict]:
+    """Rank ``rank``'s saved per-rank state in checkpoint ``path`` (None when it has none), read
+    with torch.load(weights_only=True): tensors and plain types only, so a checkpoint directory
+    from elsewhere cannot run code. A file holding other objects is refused with how to proceed."""
+    import pickle
+
     rf = _rank_file(path, rank)
-    rank_state = None
-    if os.path.isfile(rf):
-        try:
-            rank_state = torch.load(rf, weights_only=False)
-        except Exception as e:
-            raise CheckpointError(f"{rf}: unreadable per-rank state: {type(e).__name__}: {e}") from e
-    return state, rank_state
+    if not os.path.isfile(rf):
+        return None
+    try:
+        return torch.load(rf, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if os.environ.get(TRUST_PICKLES) != "1":
+            raise CheckpointError(
+                f"{rf}: holds Python objects that loading would have to execute, refused (torch.load "
+                f"weights_only=True; a checkpoint copied from elsewhere could run code this way). An older "
+                f"megappo wrote its per-rank state like this: if you trust this checkpoint, resume from it once "
+                f"with {TRUST_PICKLES}=1 (later saves are plain tensors). Refused: {str(e).splitlines()[0]}") from e
+    except Exception as e:
+        raise CheckpointError(f"{rf}: unreadable per-rank state: {type(e).__name__}: {e}") from e
+    try:
+        return torch.load(rf, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{rf}: unreadable per-rank state: {type(e).__name__}: {e}") from e

@@ -15,7 +15,10 @@ def capture(cuda: bool = False) -> dict:
     (when CUDA is available)."""
     import numpy as np
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    # plain types and tensors only, so a checkpoint holding it loads with torch.load(weights_only=True)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
     if cuda and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -28,4 +31,5 @@ def restore(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))

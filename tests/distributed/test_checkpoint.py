@@ -111,3 +111,30 @@ def test_latest_and_errors(tmp_path):
         latest_step(str(tmp_path))
     with pytest.raises(CheckpointError, match="no trainer_state.json"):
         load_checkpoint(str(tmp_path), {})
+
+
+def _common_payload(rank, world, root):
+    import pickle
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megappo import megatron_cpu
+    from test_checkpoint_pickles import Payload
+
+    megatron_cpu.install()   # megatron loads common state onto the current CUDA device
+    marker = os.path.join(root, "ran")
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2)), "sched": {"step": 1}}, root)
+    assert dist_checkpointing.load_common_state_dict(root)["sched"] == {"step": 1}
+    torch.save({"sched": Payload(marker)}, os.path.join(root, "common.pt"))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        dist_checkpointing.load_common_state_dict(root)
+    assert not os.path.exists(marker)
+
+
+def test_megatron_common_state_refuses_a_payload(tmp_path):
+    """megatron-core's dist_checkpointing reads common.pt (the scheduler, the optimizer's
+    non-tensor state) with torch.load's default, weights_only=True since torch 2.6: a payload
+    planted there is refused too."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
+    spawn(_common_payload, 1, str(tmp_path))

@@ -7,8 +7,6 @@ import dataclasses
 import os
 from typing import Optional
 
-import torch
-
 from megappo import rng
 
 __all__ = ["checkpointed_workers", "save", "resume", "Resumed"]
@@ -42,13 +40,30 @@ def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, in
     state = {"data": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "world_size": world,
              "layout": dataclasses.asdict(layout)}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
-                           per_rank_state={**rng.capture(), "inflight": inflight}, hf_sources=hf)
+                           per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight)}, hf_sources=hf)
+
+
+def _plain_inflight(inflight) -> Optional[dict]:
+    """The one-step-off generation in flight, (prompt indices, RolloutOutput, policy version),
+    as tensors and plain types (a checkpoint is read with torch.load(weights_only=True))."""
+    if inflight is None:
+        return None
+    indices, out, version = inflight
+    return {"indices": [int(i) for i in indices], "output": dataclasses.asdict(out), "version": int(version)}
+
+
+def _inflight_from(plain: Optional[dict]):
+    from megappo.rollout import RolloutOutput
+
+    if plain is None:
+        return None
+    return plain["indices"], RolloutOutput(**plain["output"]), plain["version"]
 
 
 def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: bool) -> Resumed:
     """Load the checkpoint ``trainer.resume_mode`` asks for (``workers_fn()``: the workers to
     load into); a run that died before its first checkpoint starts over (its metric lines dropped)."""
-    from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint
+    from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint, read_rank_state
 
     tr = cfg.trainer
     root = os.path.expanduser(tr.default_local_dir)
@@ -75,7 +90,6 @@ def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: 
     if one_step_off:
         # the generation in flight at the save (the next step's batch) was stored with it:
         # the resumed run trains on exactly what the uninterrupted one trained on
-        rank0 = os.path.join(path, "rank_state", "rank_0.pt")
-        inflight = torch.load(rank0, weights_only=False).get("inflight") if os.path.isfile(rank0) else None
+        inflight = _inflight_from((read_rank_state(path, 0) or {}).get("inflight"))
     logger.truncate_after(step)
     return Resumed(path, step, inflight)
