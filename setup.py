@@ -45,6 +45,7 @@ GPU = COMMON + [
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "psutil>=5.9",   # tests/processes.py: no process outlives the suite
 ]
 
 # Optional metric sinks (trainer.logger=[...,wandb,mlflow]); mlflow-skinny is MLflow's client

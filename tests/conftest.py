@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+# No process outlives the suite: orphans are re-parented to pytest, and any still alive at the
+# end fail the run, named (tests/processes.py).
+from processes import pytest_configure, pytest_sessionfinish  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):

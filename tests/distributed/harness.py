@@ -32,9 +32,18 @@ def _entry(rank, world, port, fn, args):
 
 
 def spawn(fn, world: int, *args) -> None:
-    """Call ``fn(rank, world, *args)`` in ``world`` processes; raise if any of them fails."""
+    """Call ``fn(rank, world, *args)`` in ``world`` processes; raise if any of them fails. Whatever
+    the ranks started and left running (a rank killed mid-run orphans its children, which the
+    test session's subreaper inherits) is ended when they are done."""
     # Children import this module and the test module by name: make their folder importable.
     here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    for folder in (here, os.path.dirname(here)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    from processes import descendants, end_new_descendants
+
+    before = {p.pid for p in descendants()}
+    try:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    finally:
+        end_new_descendants(before)
