@@ -151,7 +151,8 @@ def test_hub_id_plans_from_the_cached_config_offline(tmp_path):
 
 def test_hub_id_downloads_config_json_only(offline_cache, monkeypatch, capsys):
     """Online, an id neither cached nor shipped: one download, of config.json alone; never weights
-    (no snapshot_download at all). A Qwen id without a revision plans from the shipped config."""
+    (no snapshot_download at all). A Qwen id without a revision plans from the shipped config
+    unless the cache has the id's own."""
     import huggingface_hub
     from huggingface_hub import constants
 
@@ -176,6 +177,11 @@ def test_hub_id_downloads_config_json_only(offline_cache, monkeypatch, capsys):
     assert P.main(["actor_rollout_ref.model.path=org/tiny@v1", "trainer.gpu_memory_gb=80"]) == 0
     assert len(asked) == 1                                   # cached now: no second download
     assert P.find_model_config("Qwen/Qwen3-8B") == P.MODEL_CONFIGS / "Qwen3-8B.json" and len(asked) == 1
+    # another org's model named like a shipped one may differ from it (a fine-tune's vocabulary): its own config
+    assert P.find_model_config("someorg/Qwen3-8B-ft").parent.parent.parent.name == "models--someorg--Qwen3-8B-ft"
+    assert asked[-1] == ("someorg/Qwen3-8B-ft", "config.json", None)
+    snap = hub_cache(offline_cache, "Qwen/Qwen3-8B", files={"config.json": QWEN05})
+    assert P.find_model_config("Qwen/Qwen3-8B") == snap / "config.json"   # the cached one wins over the shipped one
 
 
 def test_defaults_follow_the_kernels_and_the_device(monkeypatch):
