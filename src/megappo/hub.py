@@ -10,10 +10,14 @@ A snapshot in the cache counts as complete only when the hub client's own file l
 cached too (snapshot_download writes one; the hub client then checks every listed file is there).
 A snapshot without one may hold only what a partial download fetched (the planner's config.json),
 so online it is completed with snapshot_download (which fetches only the missing files); offline
-it is taken as it is, since a cache filled by older hub clients has no listing."""
+it is taken as it is (a cache filled by older hub clients has no listing), unless weights are
+wanted and it has none: then the error says so, before anything starts.
+
+Also data set repositories (repo_type="dataset": the hub data sets of megappo.data.preprocess)."""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 from typing import Optional, Sequence
 
@@ -67,6 +71,10 @@ def _listed(repo: str, rev: Optional[str], repo_type: str, cache: str) -> bool:
         return False
 
 
+def _has_weights(folder: str) -> bool:
+    return any(fnmatch.fnmatch(f, p) for f in os.listdir(folder) for p in WEIGHT_PATTERNS)
+
+
 def _what(path: str, repo_type: str) -> str:
     return path if repo_type == "model" else f"{repo_type} {path}"
 
@@ -99,11 +107,17 @@ def resolve(path: str, revision: Optional[str] = None, repo_type: str = "model",
     with _node_lock(repo, repo_type) as cache:
         try:
             snap = snapshot_download(repo, cache_dir=cache, local_files_only=True, **kw)
-            if constants.HF_HUB_OFFLINE or _listed(repo, rev, repo_type, cache):
-                return snap
         except Exception:   # not in the cache (yet), or incomplete by its listing
-            pass
+            snap = None
+        if snap and _listed(repo, rev, repo_type, cache):
+            return snap
         if constants.HF_HUB_OFFLINE:
+            if snap and (repo_type != "model" or ignore_patterns or _has_weights(snap)):
+                return snap
+            if snap:
+                raise HubError(f"{path}: in the HF cache ({snap}) without its weights (only some files were "
+                               "fetched, e.g. the planner's config.json) and HF_HUB_OFFLINE=1; download it first "
+                               f"(huggingface-cli download {repo}) or unset HF_HUB_OFFLINE")
             raise _unavailable(path, repo, repo_type, cache) from None
         try:
             return snapshot_download(repo, cache_dir=cache, **kw)

@@ -57,11 +57,16 @@ def _fake_downloads(monkeypatch, files=None):
 
 def test_a_partial_snapshot_is_completed_online(offline_cache, monkeypatch):
     """A snapshot without the client's file listing (only the planner's config.json was fetched)
-    is completed online; a listed one is used as it is; offline, either is used as it is."""
+    is completed online; a listed one is used as it is. Offline, an unlisted one is used as it is
+    (older hub clients keep no listing) when it has weights or none are wanted, else named."""
     from huggingface_hub import constants
 
     snap = _cache(offline_cache, listed=False)
-    assert Path(hub.resolve("org/tiny")) == snap                 # offline: what the cache has
+    with pytest.raises(hub.HubError, match=r"org/tiny: in the HF cache .* without its weights .* HF_HUB_OFFLINE=1"):
+        hub.resolve("org/tiny")
+    assert Path(hub.resolve("org/tiny", ignore_patterns=hub.WEIGHT_PATTERNS)) == snap   # config and tokenizer only
+    _cache(offline_cache, "org/old", files={"config.json": "{}", "model.safetensors": b"w"}, listed=False)
+    assert Path(hub.resolve("org/old")).parent.parent.name == "models--org--old"   # unlisted, with weights
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     downloads = _fake_downloads(monkeypatch, files={"config.json": "{}", "model.safetensors": b"w"})
     assert Path(hub.resolve("org/tiny")) == snap and downloads == ["org/tiny"]
