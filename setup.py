@@ -17,6 +17,9 @@ COMMON = [
     "tqdm",
     # megatron-core's dist_checkpointing imports psutil but does not declare it.
     "psutil",
+    # python -m megappo.data.preprocess gsm8k|math reads the hub data sets with it (what verl's
+    # preprocessing uses); 5.2.0 is the version that was verified.
+    "datasets>=5.2.0",
 ]
 
 CPU = COMMON + [

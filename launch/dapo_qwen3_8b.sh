@@ -9,7 +9,7 @@
 # The filter metric is `score`: the built-in GSM8K/MATH rewards are 0/1, so a group is dropped
 # exactly when all its answers are right or all wrong (DAPO's `acc`). A reward function that
 # returns {"score": ..., "acc": ...} (DAPO's math_dapo does) can use FILTER_METRIC=acc instead.
-# Data: python -m megappo.data.preprocess math --input <raw> --out ~/data/math (or DAPO-Math-17k
+# Data: python -m megappo.data.preprocess math --out ~/data/math (or --input <raw>; or DAPO-Math-17k
 # with a reward function for its data_source via custom_reward_function.path).
 : "${MODEL_PATH:=Qwen/Qwen3-8B}"
 : "${TRAIN_FILES:=$HOME/data/math/train.parquet}" "${VAL_FILES:=$HOME/data/math/test.parquet}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # verl's reference PPO recipe (its quick start): Qwen2.5-0.5B-Instruct on GSM8K, GAE with a
 # critic from the same model, one node, pure data parallel. Prepare the data first:
-#   python -m megappo.data.preprocess gsm8k --input <gsm8k json/jsonl/parquet or HF datasets dir> --out ~/data/gsm8k
+#   python -m megappo.data.preprocess gsm8k --out ~/data/gsm8k   (the hub's openai/gsm8k; --input <raw> for local files)
 # Every knob below is an environment variable (see launch/common.sh); extra key=value args pass through.
 : "${MODEL_PATH:=Qwen/Qwen2.5-0.5B-Instruct}"
 : "${TRAIN_FILES:=$HOME/data/gsm8k/train.parquet}" "${VAL_FILES:=$HOME/data/gsm8k/test.parquet}"

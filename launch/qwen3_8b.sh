@@ -6,7 +6,7 @@
 #   NNODES=2 NODE_RANK=0|1 MASTER_ADDR=<node0> bash launch/qwen3_8b.sh   # torchrun, on each node
 #   sbatch --nodes 2 launch/slurm.sbatch launch/qwen3_8b.sh              # SLURM
 #   LAUNCHER=ray bash launch/qwen3_8b.sh       # on a running Ray cluster (RAY_ADDRESS)
-# Prepare data: python -m megappo.data.preprocess gsm8k|math --input <raw> --out ~/data/<name>
+# Prepare data: python -m megappo.data.preprocess gsm8k|math --out ~/data/<name>  (hub data sets; --input <raw> for local files)
 : "${MODEL_PATH:=Qwen/Qwen3-8B}"
 : "${GSM8K_TRAIN_FILE:=$HOME/data/gsm8k/train.parquet}" "${GSM8K_TEST_FILE:=$HOME/data/gsm8k/test.parquet}"
 : "${MATH_TRAIN_FILE:=$HOME/data/math/train.parquet}" "${MATH_TEST_FILE:=$HOME/data/math/test.parquet}"

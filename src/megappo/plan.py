@@ -1,7 +1,8 @@
 """The memory planner: will a config fit its GPUs? ``python -m megappo.plan [--config ...] [key=value ...]``
 
-Computed from the model's HF ``config.json``, the layout and the options -- no weights, no GPU,
-no network. For every pipeline stage and phase of a step (rollout, the forward passes, the critic
+Computed from the model's HF ``config.json``, the layout and the options -- no weights, no GPU.
+For a hub id the config.json comes from the HF cache, else from the configs shipped in
+megappo/model_configs, else it alone is downloaded (the only network use, never weights). For every pipeline stage and phase of a step (rollout, the forward passes, the critic
 and actor updates) it adds up what one GPU of that stage holds: weights, gradients and optimizer
 state of each role (less what is offloaded while the role is idle), activations kept for the
 backward pass (with and without recomputation), the logits of the log-prob pass, and vLLM's
@@ -37,12 +38,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from megappo import hub
 from megappo.models import padded_vocab_size  # megatron's padding (128 x TP), as the models are built
 
 GiB = 2**30
 RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
 LOGITS_FP32_COPIES = 3           # the kernel's fp32 work per logit: upcast, exp, gradient
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
+SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config",
            "find_model_config", "padded_vocab_size", "main"]
@@ -84,22 +87,43 @@ def model_shape(hf: dict, name: str = "") -> ModelShape:
 
 
 def find_model_config(path: str) -> Path:
-    """config.json of ``path``: a config.json file, a model folder holding one, or a model named
-    like one of the configs shipped in megappo/model_configs (``Qwen/Qwen3-8B``,
-    ``~/models/Qwen2.5-0.5B-Instruct``: the longest shipped name the folder's name starts with)."""
+    """config.json of ``path``: a config.json file, a model folder holding one, a hub id
+    (``org/name[@rev]``: the cached config.json, else a shipped one of that name, else a download
+    of config.json alone), or a model named like one of the configs shipped in
+    megappo/model_configs (``Qwen/Qwen3-8B``, ``~/models/Qwen2.5-0.5B-Instruct``: the longest
+    shipped name the folder's name starts with)."""
     p = Path(os.path.expanduser(path))
     if p.is_file():
         return p
     if (p / "config.json").is_file():
         return p / "config.json"
-    base = p.name.lower()
+    if hub.is_hub_id(path):
+        return _hub_model_config(path)
+    shipped = _shipped_config(p.name)
+    if shipped is not None:
+        return shipped
+    names = ", ".join(sorted(c.stem for c in MODEL_CONFIGS.glob("*.json")))
+    raise FileNotFoundError(f"no config.json for model '{path}': not a file or a folder with config.json, and no "
+                            f"shipped config matches its name (shipped: {names}); pass --model-config PATH")
+
+
+def _shipped_config(name: str) -> Optional[Path]:
+    base = name.lower()
     names = sorted((c for c in MODEL_CONFIGS.glob("*.json") if base.startswith(c.stem.lower())),
                    key=lambda c: -len(c.stem))
-    if names:
-        return names[0]
-    shipped = ", ".join(sorted(c.stem for c in MODEL_CONFIGS.glob("*.json")))
-    raise FileNotFoundError(f"no config.json for model '{path}': not a file or a folder with config.json, and no "
-                            f"shipped config matches its name (shipped: {shipped}); pass --model-config PATH")
+    return names[0] if names else None
+
+
+def _hub_model_config(path: str) -> Path:
+    """A hub id's config.json: cached, else shipped (an id of SHIPPED_ORG without a revision), else
+    downloaded alone (hub.HubError naming the id when it cannot be had)."""
+    cached = hub.cached_file(path, "config.json")
+    if cached:
+        return Path(cached)
+    repo, rev = hub.split_id(path)
+    org, name = repo.split("/")
+    shipped = _shipped_config(name) if rev is None and org == SHIPPED_ORG else None
+    return shipped or Path(hub.resolve_file(path, "config.json"))
 
 
 def _layer_params(m: ModelShape, tp: int) -> int:
@@ -419,9 +443,11 @@ def render(p: Plan) -> str:
 
 def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Optional[float] = None):
     """(Plan, the HF config.json used) of a megappo config."""
-    path = find_model_config(model_config or cfg.actor_rollout_ref.model.path)
-    shape = model_shape(json.loads(path.read_text()), name=path.stem if path.parent == MODEL_CONFIGS else
-                        path.parent.name)
+    source = model_config or cfg.actor_rollout_ref.model.path
+    path = find_model_config(source)
+    name = (path.stem if path.parent == MODEL_CONFIGS else source.split("@")[0] if hub.is_hub_id(source)
+            else path.parent.name)
+    shape = model_shape(json.loads(path.read_text()), name=name)
     return plan(shape, options_from_config(cfg, gpu_memory_gb)), path
 
 
@@ -436,7 +462,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(args.overrides, args.config)
         p, path = plan_from_config(cfg, args.model_config)
-    except (ConfigError, FileNotFoundError, KeyError) as e:
+    except (ConfigError, FileNotFoundError, KeyError, hub.HubError) as e:
         print(f"megappo.plan: {e}", file=sys.stderr)
         return 2
     print(f"model config: {path}")

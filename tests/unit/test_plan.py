@@ -12,6 +12,8 @@ from megappo import plan as P
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
+sys.path.insert(0, str(ROOT / "tests"))
+from hub_cache import hub_cache, offline_cache  # noqa: E402,F401
 
 # A small Qwen3-style model, counted by hand below.
 SMALL = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -125,6 +127,61 @@ def test_cli_errors_name_the_problem():
     assert r.returncode == 2 and "no config.json for model '/nope/Llama-70B'" in r.stderr, r.stderr
     r = _plan_cli("trainer.gpu_memory_gb=abc")
     assert r.returncode == 2 and "trainer.gpu_memory_gb" in r.stderr, r.stderr
+
+
+QWEN05 = (P.MODEL_CONFIGS / "Qwen2.5-0.5B.json").read_text()
+
+
+def test_hub_id_plans_from_the_cached_config_offline(tmp_path):
+    """HF_HOME's hub cache, offline: the id's cached config.json is used (not a shipped one)."""
+    import os
+
+    snap = hub_cache(tmp_path / "home" / "hub", "someorg/Qwen3-8B-small", files={"config.json": QWEN05})
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    run = [sys.executable, "-m", "megappo.plan", "trainer.gpu_memory_gb=80"]
+    r = subprocess.run(run + ["actor_rollout_ref.model.path=someorg/Qwen3-8B-small"], capture_output=True,
+                       text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"model config: {snap / 'config.json'}" in r.stdout and "memory plan: someorg/Qwen3-8B-small (0.49B" in r.stdout
+    r = subprocess.run(run + ["actor_rollout_ref.model.path=someorg/missing@v2"], capture_output=True, text=True,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 2 and "someorg/missing@v2: config.json is not in the HF cache" in r.stderr, r.stderr
+
+
+def test_hub_id_downloads_config_json_only(offline_cache, monkeypatch, capsys):
+    """Online, an id neither cached nor shipped: one download, of config.json alone; never weights
+    (no snapshot_download at all). A Qwen id without a revision plans from the shipped config
+    unless the cache has the id's own."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    real, asked = huggingface_hub.hf_hub_download, []
+
+    def fake_file(repo, filename, local_files_only=False, cache_dir=None, **kw):
+        if local_files_only:
+            return real(repo, filename, local_files_only=True, cache_dir=cache_dir, **kw)
+        asked.append((repo, filename, kw.get("revision")))
+        snap = hub_cache(Path(cache_dir), repo, files={filename: QWEN05}, listed=False, ref=kw.get("revision") or "main")
+        return str(snap / filename)
+
+    def no_snapshot(*a, **kw):
+        raise AssertionError(f"the planner asked for a whole snapshot: {a} {kw}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_snapshot)
+    assert P.main(["actor_rollout_ref.model.path=org/tiny@v1", "trainer.gpu_memory_gb=80"]) == 0
+    assert asked == [("org/tiny", "config.json", "v1")]
+    assert "memory plan: org/tiny (0.49B" in capsys.readouterr().out
+    assert P.main(["actor_rollout_ref.model.path=org/tiny@v1", "trainer.gpu_memory_gb=80"]) == 0
+    assert len(asked) == 1                                   # cached now: no second download
+    assert P.find_model_config("Qwen/Qwen3-8B") == P.MODEL_CONFIGS / "Qwen3-8B.json" and len(asked) == 1
+    # another org's model named like a shipped one may differ from it (a fine-tune's vocabulary): its own config
+    assert P.find_model_config("someorg/Qwen3-8B-ft").parent.parent.parent.name == "models--someorg--Qwen3-8B-ft"
+    assert asked[-1] == ("someorg/Qwen3-8B-ft", "config.json", None)
+    snap = hub_cache(offline_cache, "Qwen/Qwen3-8B", files={"config.json": QWEN05})
+    assert P.find_model_config("Qwen/Qwen3-8B") == snap / "config.json"   # the cached one wins over the shipped one
 
 
 def test_defaults_follow_the_kernels_and_the_device(monkeypatch):

@@ -63,7 +63,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id found in the local HF cache.")
+    path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id org/name[@revision], downloaded into the HF cache (docs/models.md, Hub ids).")
     use_remove_padding: bool = _f(False, "Sequence packing: each micro-batch's sequences end to end in one row (THD), no compute on padding. Needs TransformerEngine's layer spec (GPU); with the local spec (CPU) micro-batches stay padded and a warning says so.")
     enable_gradient_checkpointing: bool = _f(False, "verl's switch for activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise.")
 

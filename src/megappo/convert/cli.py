@@ -3,6 +3,9 @@
 A problem with the inputs (a path that is not a checkpoint, an unfinished save, a config that
 does not match the tensors, no disk space) ends the program with exit code 2 and one line on
 stderr naming the path and the problem; a verification above tolerance exits with 1.
+
+An HF model argument may be a hub id (``org/name[@rev]``, see megappo.hub): it is resolved into the
+HF cache first (--hf-config without the weights, which it does not need).
 """
 from __future__ import annotations
 
@@ -15,12 +18,23 @@ __all__ = ["convert_to_hf_main", "convert_from_hf_main", "verify_main"]
 _DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
+def _local(path: Optional[str], weights: bool = True) -> Optional[str]:
+    """``path`` itself, or a hub id's folder in the HF cache (downloaded once per node)."""
+    from megappo import hub
+
+    if path is None or not hub.is_hub_id(path):
+        return path
+    return hub.resolve(path, ignore_patterns=None if weights else hub.WEIGHT_PATTERNS)
+
+
 def _run(prog: str, body: Callable[[], int]) -> int:
+    from megappo.hub import HubError
+
     from .megatron_ckpt import ConvertError
 
     try:
         return body()
-    except ConvertError as e:
+    except (ConvertError, HubError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -36,7 +50,8 @@ def convert_to_hf_main(argv: Optional[list] = None) -> int:
                         "folder (its latest step) also work")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     p.add_argument("--hf-config", default=None,
-                   help="source HF model folder or config.json (default: <ckpt>/huggingface, saved by the trainer)")
+                   help="source HF model folder, its config.json, or a hub id org/name[@rev] (default: "
+                        "<ckpt>/huggingface, saved by the trainer)")
     p.add_argument("--dtype", choices=_DTYPE_CHOICES, default=None, help="weights dtype (default: the source config's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--critic", action="store_true",
@@ -47,8 +62,8 @@ def convert_to_hf_main(argv: Optional[list] = None) -> int:
     def body() -> int:
         from .hf_export import export_hf, human
 
-        r = export_hf(a.ckpt, a.out, hf_config=a.hf_config, dtype=a.dtype, max_shard_size=a.max_shard_size,
-                      critic=a.critic, progress=not a.quiet)
+        r = export_hf(a.ckpt, a.out, hf_config=_local(a.hf_config, weights=False), dtype=a.dtype,
+                      max_shard_size=a.max_shard_size, critic=a.critic, progress=not a.quiet)
         print(f"wrote {r['out']}: {r['tensors']} tensors, {human(r['bytes'])} in {len(r['files'])} safetensors "
               f"file(s), {r['dtype']} (from {r['ckpt']})")
         return 0
@@ -60,7 +75,7 @@ def convert_from_hf_main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(
         prog="convert_from_hf.py",
         description="Write a HuggingFace model as an initial megappo (Megatron) checkpoint: model weights only.")
-    p.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    p.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors) or hub id org/name[@rev]")
     p.add_argument("--out", required=True, help="output checkpoint folder (must not exist, or be empty)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size it is meant for (vocabulary padding, checks)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size it is meant for (checks)")
@@ -75,7 +90,7 @@ def convert_from_hf_main(argv: Optional[list] = None) -> int:
     def body() -> int:
         from .hf_export import human, import_hf
 
-        r = import_hf(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype, progress=not a.quiet)
+        r = import_hf(_local(a.hf), a.out, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype, progress=not a.quiet)
         print(f"wrote {r['out']}: {human(r['bytes'])} of model weights, {r['dtype']}, vocabulary padded to "
               f"{r['padded_vocab_size']}")
         return 0
@@ -87,7 +102,7 @@ def verify_main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(
         prog="verify.py", description="Compare a megappo checkpoint with an HF model on a few random sequences.")
     p.add_argument("--ckpt", required=True, help="checkpoint folder (as for convert_to_hf.py)")
-    p.add_argument("--hf", required=True, help="HF model folder")
+    p.add_argument("--hf", required=True, help="HF model folder or hub id org/name[@rev]")
     p.add_argument("--critic", action="store_true", help="compare the critic's values with a token-classification model")
     p.add_argument("--atol", type=float, default=None,
                    help="largest allowed difference (default 1e-5 for fp32 HF weights, 1e-1 for bf16/fp16)")
@@ -102,7 +117,7 @@ def verify_main(argv: Optional[list] = None) -> int:
 
         from .verify import compare_checkpoint_with_hf
 
-        r = compare_checkpoint_with_hf(a.ckpt, a.hf, critic=a.critic, num_seqs=a.num_seqs, seq_len=a.seq_len,
+        r = compare_checkpoint_with_hf(a.ckpt, _local(a.hf), critic=a.critic, num_seqs=a.num_seqs, seq_len=a.seq_len,
                                        seed=a.seed)
         atol = a.atol
         if atol is None:

@@ -1,8 +1,13 @@
-"""Prompt datasets in verl's parquet schema from local raw data.
+"""Prompt datasets in verl's parquet schema, from the HuggingFace hub or local raw data.
 
-    python -m megappo.data.preprocess gsm8k --input <file or folder> --out <dir>
-    python -m megappo.data.preprocess math  --input <file or folder> --out <dir>
+    python -m megappo.data.preprocess gsm8k [--input <file or folder>] --out <dir>
+    python -m megappo.data.preprocess math  [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess synthetic --out <dir> [--n-train 512 --n-test 64]
+
+Without ``--input``, gsm8k and math read the hub data sets verl's preprocessing reads
+(HUB_DATASETS: ``openai/gsm8k`` config ``main``, ``DigitalLearningGmbH/MATH-lighteval``), splits
+train and test: the data set repository is fetched into the HF cache (megappo.hub: HF_HOME,
+HF_TOKEN, HF_HUB_OFFLINE=1 reads the cache only) and read with ``datasets.load_dataset``.
 
 ``--input``: a json/jsonl/parquet file (its split is --split, default train), or a folder holding
 such files or a HuggingFace ``save_to_disk`` dataset (``*.arrow``), whose split is read from the
@@ -16,9 +21,13 @@ import json
 import os
 import sys
 
+from megappo import hub
 from megappo.rewards import last_boxed, synthetic
 
-__all__ = ["gsm8k_row", "math_row", "main"]
+__all__ = ["gsm8k_row", "math_row", "HUB_DATASETS", "main"]
+
+# task: (hub data set id, its config), as verl's examples/data_preprocess load them.
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -162,6 +171,43 @@ def _convert(path: str, split: str, make) -> dict[str, list[dict]]:
     return out
 
 
+def _hub_rows(task: str) -> dict[str, list[dict]]:
+    """{split: raw rows} of the task's hub data set (train and test)."""
+    repo, config = HUB_DATASETS[task]
+    instead = f"or pass --input <{task} json/jsonl/parquet files or folder>"
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{repo}: reading the hub data set needs the `datasets` package (pip install datasets), "
+                         f"{instead}") from None
+    try:
+        folder = hub.resolve(repo, repo_type="dataset")
+    except hub.HubError as e:
+        raise ValueError(f"{e}; {instead}") from None
+    try:
+        loaded = datasets.load_dataset(folder, config)
+    except Exception as e:   # datasets raises many types for a repository it cannot read
+        raise ValueError(f"{repo}{f' (config {config})' if config else ''}: datasets cannot read {folder}: "
+                         f"{type(e).__name__}: {e}; {instead}") from None
+    splits = {name: loaded[name].to_list() for name in ("train", "test") if name in loaded}
+    if not splits:
+        raise ValueError(f"{repo}: no train or test split in {folder} (splits: {sorted(loaded)}); {instead}")
+    return splits
+
+
+def _from_hub(task: str, make) -> dict[str, list[dict]]:
+    repo = HUB_DATASETS[task][0]
+    out: dict[str, list[dict]] = {}
+    for name, raws in _hub_rows(task).items():
+        rows = out.setdefault(name, [])
+        for j, raw in enumerate(raws):
+            try:
+                rows.append(make(raw, len(rows), name))
+            except ValueError as e:
+                raise ValueError(f"{repo}, {name} row {j}: {e}") from None
+    return out
+
+
 def write_parquet(rows: list[dict], path: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -175,7 +221,8 @@ def write_parquet(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megappo.data.preprocess", description=__doc__.split("\n")[0])
     ap.add_argument("task", choices=["gsm8k", "math", "synthetic"])
-    ap.add_argument("--input", help="raw data file or folder (gsm8k, math)")
+    ap.add_argument("--input", help="raw data file or folder (gsm8k, math; default: the hub data set, see "
+                                     "HUB_DATASETS)")
     ap.add_argument("--split", default="train", help="split of a single --input file")
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-train", type=int, default=512)
@@ -186,11 +233,9 @@ def main(argv=None) -> int:
         splits = {"train": synthetic.make_echo_rows(args.n_train, ECHO_WORDS, seed=args.seed),
                   "test": synthetic.make_echo_rows(args.n_test, ECHO_WORDS, seed=args.seed + 1)}
     else:
-        if not args.input:
-            ap.error(f"{args.task} needs --input")
         make = gsm8k_row if args.task == "gsm8k" else math_row
         try:
-            splits = _convert(args.input, args.split, make)
+            splits = _convert(args.input, args.split, make) if args.input else _from_hub(args.task, make)
         except (ValueError, OSError) as e:
             print(f"megappo.data.preprocess: {e}", file=sys.stderr)
             return 2
