@@ -48,8 +48,11 @@ def test_wandb_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    _log(tmp_path, "wandb", [1])
-    _log(tmp_path, "wandb", [2])      # a resumed job: same run id
+    try:
+        _log(tmp_path, "wandb", [1])
+        _log(tmp_path, "wandb", [2])      # a resumed job: same run id
+    finally:
+        wandb.teardown()   # ends wandb's service process, which would otherwise live as long as pytest
     run_id = (tmp_path / "wandb_run_id").read_text()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs), runs
