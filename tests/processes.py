@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -77,8 +78,23 @@ def describe(p) -> str:
         return f"pid {p.pid} (gone)"
 
 
+def die_with_parent() -> None:
+    """In a child: SIGKILL when the parent dies (a killed test session takes its ranks along)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def _end_all_then_exit(signum, frame):
+    """A test session stopped with SIGTERM (a CI or shell timeout) ends its descendants first."""
+    end(descendants())
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def pytest_configure(config):
     set_child_subreaper()
+    signal.signal(signal.SIGTERM, _end_all_then_exit)
 
 
 @pytest.hookimpl(trylast=True)

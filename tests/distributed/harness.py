@@ -17,6 +17,10 @@ def free_port() -> int:
 
 def _entry(rank, world, port, fn, args):
     faulthandler.dump_traceback_later(240, exit=True)  # a hung collective kills the worker, not CI
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from processes import die_with_parent
+
+    die_with_parent()   # a killed test session takes its ranks along
     # what torchrun provides (vLLM's external launcher reads them)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))

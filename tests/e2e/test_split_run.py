@@ -118,3 +118,36 @@ def test_one_step_off_lags_one_version_and_resumes_exactly(tiny):
     again = _resume_from_step_2(run, root / "one_step_off_resumed", setup, SPLIT + ["trainer.async_mode=one_step_off"],
                                 rows)
     assert again[2]["training/weight_version_lag"] == 1.0
+
+
+def _run_with_slow_update(rank, world, setup, run_dir, steps, extra, port):
+    """_run with every training rank's first actor update 15 s long."""
+    import time
+
+    from megappo.workers import Actor
+
+    update = Actor.update_policy
+
+    def slow(self, *a, **k):
+        if not getattr(Actor, "_slept", False):
+            Actor._slept = True
+            time.sleep(15)
+        return update(self, *a, **k)
+
+    Actor.update_policy = slow
+    _run(rank, world, setup, run_dir, steps, extra, port)
+
+
+@pytest.mark.e2e
+def test_a_training_step_longer_than_the_timeout_does_not_break_the_bridge(tiny):
+    """The rollout ranks wait for the next command through the whole update, and (one-step off)
+    the first one's generation waits for rank 0 to collect it after the update: 15 s against a
+    10 s process-group timeout. Both meet in the job's store first, so the run finishes."""
+    from harness import free_port, spawn
+
+    root, setup = tiny
+    run = root / "slow_update"
+    spawn(_run_with_slow_update, 4, setup, str(run), 2,
+          SPLIT + ["trainer.async_mode=one_step_off", "trainer.dist_timeout_s=10", "trainer.save_freq=-1"], free_port())
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["timing_s/update_actor"] >= 15

@@ -62,3 +62,26 @@ def test_spawn_ends_what_its_ranks_left_running(tmp_path):
     spawn(_orphan, 1, str(tmp_path / "pid"))
     pid = int((tmp_path / "pid").read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_terminated_session_ends_its_descendants(tmp_path):
+    """SIGTERM to pytest (a CI or shell timeout): what it started does not survive it."""
+    (tmp_path / "conftest.py").write_text("from processes import pytest_configure, pytest_sessionfinish  # noqa\n")
+    (tmp_path / "test_it.py").write_text(textwrap.dedent(f"""
+        import subprocess, time
+        def test_hangs():
+            p = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL)
+            open({str(tmp_path / 'pid')!r}, "w").write(str(p.pid))
+            time.sleep(300)
+    """))
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    session = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = int((tmp_path / "pid").read_text())
+    session.terminate()
+    session.wait(timeout=30)
+    time.sleep(0.5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -87,6 +87,9 @@ class SplitGroups:
     # version bookkeeping of the weight transfers (training ranks: sent; rollout ranks: received)
     weights_version_sent: int = 0
     weights_version_received: int = 0
+    # messages that can wait a whole training step: counted on both ends, announced in the store
+    commands: int = 0               # rank 0: sent; rollout ranks: received
+    objects: int = 0                # rank 0: received; the first rollout rank: sent
     _receiving: bool = field(default=False, repr=False)  # a weight transfer's buckets are not all read yet
 
     @property
@@ -359,17 +362,54 @@ def _from_bytes(t: torch.Tensor):
     return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=False)
 
 
+# A rollout rank waits for the next command through the whole training phase (and a save), and
+# in one-step off the first rollout rank's result waits for rank 0 to collect it after its update;
+# the other way, rank 0's first command waits while the rollout ranks still start their engines.
+# A collective pending that long would hit the process group's timeout (trainer.dist_timeout_s),
+# and gloo and NCCL then abort it and the process. So the parties of each such message meet in the
+# job's store first (no timeout that matters), and the collective starts only when all are there.
+_STORE_POLL = datetime.timedelta(hours=1)   # each expiry logs a c10d warning: rarely
+
+
+def _meet(groups: SplitGroups, name: str, bridge_ranks: list[int]) -> None:
+    """Block until every bridge rank in ``bridge_ranks`` (this one among them) reached message
+    ``name``, however long that takes. A store whose host died raises (the job is over); only the
+    store's wait timeout is retried."""
+    groups.store.set(f"{_PREFIX}{name}/{groups.bridge_rank}", b"1")
+    _wait(groups, [f"{name}/{r}" for r in bridge_ranks])
+
+
+def _wait(groups: SplitGroups, names: list[str]) -> None:
+    keys = [f"{_PREFIX}{n}" for n in names]
+    while True:
+        try:
+            groups.store.wait(keys, _STORE_POLL)
+            return
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                raise
+
+
+def _bridge_ranks(groups: SplitGroups) -> list[int]:
+    return list(range(1 + len(groups.rollout_ranks)))
+
+
 def send_command(groups: SplitGroups, op: int, obj=None) -> None:
     """Global rank 0 to every rollout rank: command ``op`` (an int > 0) with a picklable ``obj``."""
     if not groups.is_sender:
         raise RuntimeError(f"send_command runs on global rank 0, not {groups.global_rank}")
     payload = _bytes_tensor(obj, groups.device)
+    groups.commands += 1
+    _meet(groups, f"command/{groups.commands}", _bridge_ranks(groups))
     _bridge_bcast(groups, _control(groups, _COMMAND, int(op), payload.numel()))
     _bridge_bcast(groups, payload)
 
 
 def receive_command(groups: SplitGroups) -> tuple[int, object]:
-    """On every rollout rank: the next (op, obj) of :func:`send_command` (blocks until it comes)."""
+    """On every rollout rank: the next (op, obj) of :func:`send_command` (blocks until it comes,
+    however long the training ranks take)."""
+    groups.commands += 1
+    _meet(groups, f"command/{groups.commands}", _bridge_ranks(groups))
     _, op, n, _ = _bridge_recv_control(groups, _COMMAND)
     payload = torch.empty(n, dtype=torch.uint8, device=groups.device)
     _bridge_bcast(groups, payload)
@@ -381,6 +421,8 @@ def send_object(groups: SplitGroups, obj) -> None:
     if groups.bridge_rank != 1:
         raise RuntimeError(f"send_object runs on the first rollout rank, not global rank {groups.global_rank}")
     payload = _bytes_tensor(obj, groups.device)
+    groups.objects += 1
+    _meet(groups, f"object/{groups.objects}", [0, 1])
     groups.bridge.send([_control(groups, _OBJECT, payload.numel())], 0, _TAG_OBJECT).wait()
     groups.bridge.send([payload], 0, _TAG_OBJECT).wait()
 
@@ -388,14 +430,20 @@ def send_object(groups: SplitGroups, obj) -> None:
 def receive_object(groups: SplitGroups):
     """On every training rank: what :func:`send_object` sent (global rank 0 receives it over the
     bridge and broadcasts it over the training group)."""
+    groups.objects += 1
+    name = f"object/{groups.objects}"
     if groups.is_sender:
+        _meet(groups, name, [0, 1])
         ctrl = _control(groups, 0)
         groups.bridge.recv([ctrl], 1, _TAG_OBJECT).wait()
         _, n, _, _ = _check_kind(ctrl, (_OBJECT,), "the first rollout rank")
         payload = torch.empty(n, dtype=torch.uint8, device=groups.device)
         groups.bridge.recv([payload], 1, _TAG_OBJECT).wait()
         obj = _from_bytes(payload)
+        groups.store.set(f"{_PREFIX}{name}/received", b"1")
     else:
+        # the generation can outlast the training group's timeout: join the broadcast once it is here
+        _wait(groups, [f"{name}/received"])
         obj = None
     if len(groups.train_ranks) > 1:
         box = [obj]
