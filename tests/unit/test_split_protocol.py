@@ -42,3 +42,43 @@ def test_remote_rollout_keeps_one_generation_in_flight_and_its_version():
     assert (engine.transfers, engine.policy_version) == (2, 1)
     with pytest.raises(RuntimeError, match="no generation was requested"):
         engine.collect()
+
+
+def test_both_placements_make_the_default_group_alike(monkeypatch):
+    """On GPU the colocated path and the split placement create their default NCCL group with the
+    same options (no device_id in either: the same lazy communicator creation), checked by
+    recording the calls (no GPU here: set_device and the group are stand-ins)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from megappo.config import load_config
+    from megappo.distributed import split
+    from megappo.trainer import setup
+
+    class Made(Exception):
+        pass
+
+    calls = []
+
+    def record(backend, **kw):
+        calls.append((backend, sorted(k for k in kw if k not in ("store", "rank", "world_size"))))
+        raise Made
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(dist.HashStore(), 0, 2)]))
+    for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    cfg = load_config(["trainer.device=cuda"])
+    try:
+        setup.init_distributed(cfg)
+    except Made:
+        pass
+    try:
+        split.init_split(1, "nccl", datetime.timedelta(seconds=5))
+    except Made:
+        pass
+    assert len(calls) == 2 and calls[0] == calls[1] == ("nccl", ["timeout"]), calls

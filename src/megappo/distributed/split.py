@@ -58,7 +58,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SplitGroups", "init_split", "send_weights", "receive_weights", "send_command", "receive_command", "send_object", "receive_object", "current", "set_current"]
+__all__ = ["SplitGroups", "init_split", "send_weights", "receive_weights", "send_command", "receive_command", "send_object", "receive_object", "current", "set_current", "close_bridge"]
 
 _PREFIX = "megappo/split/"
 _ALIGN = 16  # byte alignment of each tensor in a payload (any dtype can be viewed back in place)
@@ -149,9 +149,10 @@ def init_split(train: "int | list[int]", backend: str = "gloo",
     # What the role's libraries read: vLLM's external launcher takes its worker rank from RANK (and
     # its DP rank, when set, from RANK too); megatron and vLLM size their groups by the default group.
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(role_rank), str(len(ranks))
+    # no device_id, as in the colocated path (trainer.setup): NCCL communicators are made lazily,
+    # the same way in both placements (device_id would make every later group eagerly, by splits)
     dist.init_process_group(backend, store=dist.PrefixStore(f"{_PREFIX}{role}/", store), rank=role_rank,
-                            world_size=len(ranks), timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+                            world_size=len(ranks), timeout=timeout)
 
     bridge = bridge_rank = None
     if rank == 0 or role == "rollout":
@@ -331,6 +332,14 @@ def _bridge_recv_control(groups: SplitGroups, *kinds: int) -> tuple[int, int, in
     ctrl = _control(groups, 0)
     _bridge_bcast(groups, ctrl)
     return _check_kind(ctrl, kinds, "training rank 0")
+
+
+def close_bridge(groups: SplitGroups) -> None:
+    """Shut the bridge down once its last message (STOP) went through, on both ends: an NCCL
+    communicator left to the interpreter's exit warns (and may hang in its destructor)."""
+    if groups.bridge is not None:
+        groups.bridge.shutdown()
+        groups.bridge = None
 
 
 # -- the job's groups, commands and objects -------------------------------------------------------

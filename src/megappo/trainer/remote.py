@@ -81,6 +81,7 @@ class RemoteRollout:
         self._idle("stop the rollout ranks")
         if self.groups.is_sender:
             split.send_command(self.groups, STOP)
+            split.close_bridge(self.groups)
 
     def _idle(self, what: str) -> None:
         if self.pending is not None:
@@ -109,6 +110,7 @@ def serve(cfg, groups) -> None:
         elif op == RESET_PREFIX_CACHE:
             engine.reset_prefix_cache()
         elif op == STOP:
+            split.close_bridge(groups)
             engine.shutdown()
             return
         else:
