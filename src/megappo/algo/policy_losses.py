@@ -3,7 +3,12 @@
 Every loss takes (B, T) ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and
 returns ``(loss, metrics)``: a scalar that adds up over micro-batches and data-parallel ranks when
 ``global_tokens``/``global_seqs`` are the mini-batch's (see :func:`megappo.algo.agg_loss`), and
-token-mean metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``) of this micro-batch.
+token-mean metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``) of this micro-batch, each
+what verl v0.9.0's loss of that name logs (``ppo_kl``: mean of old_logp - logp, for kl_cov of
+|logp - old_logp|). Where verl's loss logs no such key (gpg, dro, kl_cov, clip_cov's
+pg_clipfrac_lower, reinforce's pg_clipfrac) megappo still returns it: 0 for a clip fraction
+(nothing of that kind is clipped) except reinforce's pg_clipfrac (its truncated share), and the
+usual signed ppo_kl for gpg; tests/unit/test_verl_parity.py holds verl's formulas.
 Formulas are in each docstring; ``r = exp(logp - old_logp)``, ``A`` the advantage, ``m`` the mask.
 
 ``clip_cov`` and ``kl_cov`` treat a few tokens of the whole mini-batch differently; which ones is
@@ -152,7 +157,9 @@ def _geo_mean(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_l
     log-ratio clipped in log space on the side its advantage's sign makes harmful:
     d_t = sign(A) min(sign(A) d, sign(A) clip(d, -eps_low, eps_high)), d = logp - old_logp;
     L_i = -Abar_i exp(mean_t d_t) with Abar_i the sequence's mean advantage; the loss is the mean
-    of L_i over (non-empty) sequences (loss_agg_mode is not used, as in verl)."""
+    of L_i over (non-empty) sequences (loss_agg_mode is not used, as in verl). verl v0.9.0 takes
+    torch.mean over the micro-batch's rows instead: the same on one micro-batch without empty
+    rows; here global_seqs makes micro-batches and DP ranks add up to the mini-batch's mean."""
     m = response_mask.to(log_prob.dtype)
     d = log_prob - old_log_prob
     sgn = torch.sign(advantages)

@@ -199,8 +199,9 @@ def parse_rollout_rs(rs, threshold) -> list[RSOption]:
     verl) with their ``rollout_rs_threshold`` (a number, or a string of comma-separated entries:
     one for all options or one per option; a k1 entry is ``lower_upper`` ratio bounds or one
     upper bound u with lower 1/u; a k2/k3 entry one upper bound). Raises :class:`RolloutRSError`
-    (a ValueError naming the key at fault). Stricter than verl where verl would run with a
-    setting that keeps nothing or misreads it: lower > upper, 'a_b_c', non-finite bounds."""
+    (a ValueError naming the key at fault). Both this and verl v0.9.0 refuse lower > upper; this
+    also refuses what verl would misread and run with: 'a_b_c' (verl splits at the first '_' and
+    Python's float reads '2_3' as 23, so '0.5_2_3' is 0.5 to 23) and non-finite bounds."""
     names: list[str] = []
     for opt in (rs.split(",") if isinstance(rs, str) else []):
         opt = opt.strip()
