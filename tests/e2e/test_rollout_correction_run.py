@@ -65,7 +65,9 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
     # the engine's log-probs differ from the trainer's by the noise (tiny probabilities: small absolute
     # differences): weights far from 1, some truncated
     assert first["training/rollout_probs_diff_max"] > 1e-4        # unperturbed: ~1e-8
-    assert abs(first["rollout_corr/rollout_is_mean"] - 1) > 0.02
+    # (truncation pulls their mean back near 1: ~1.02 for this noise, so the spread is what shows)
+    assert first["rollout_corr/rollout_is_std"] > 0.2 and first["rollout_corr/rollout_is_eff_sample_size"] < 0.97
+    assert 0 < first["rollout_corr/rollout_is_ratio_fraction_low"] < 1
     # some truncated: the max is of the truncated weights (verl's), so the threshold itself
     assert 0 < first["rollout_corr/rollout_is_ratio_fraction_high"] < 1
     assert first["rollout_corr/rollout_is_max"] == pytest.approx(1.5)
