@@ -270,7 +270,7 @@ def _kl_cov(old_log_prob, log_prob, advantages, response_mask, *, ppo_kl_coef=0.
     on the selected tokens (:func:`kl_cov_selection`: those with the largest covariance of
     advantage and log-prob). ``ppo_kl`` is the mean of |logp - old_logp|, as verl logs it for this
     loss (v0.9.0), not the signed mean of the other losses; nothing is clipped (pg_clipfrac 0; verl
-    logs no pg_clipfrac here, and the share of tokens penalised is kl_cov_ratio by construction)."""
+    logs no pg_clipfrac here; the actor logs the share penalised as actor/cov_selected_fraction)."""
     sel = _need_selection("kl_cov", cov_selected)
     log_ratio = log_prob - old_log_prob
     losses = -advantages * torch.exp(log_ratio) + sel.to(log_prob.dtype) * ppo_kl_coef * log_ratio.abs()
