@@ -102,8 +102,8 @@ def moe_options(cfg: PPOConfig, mc: MegatronConfig | RefMegatronConfig):
 
 def recompute_settings(mc: MegatronConfig | RefMegatronConfig, checkpointing: bool) -> Optional[tuple[str, str, int]]:
     """megatron's (granularity, method, num_layers) for a training role: its
-    override_transformer_config.recompute_*, or verl's enable_gradient_checkpointing (= full
-    recomputation of every layer); None without recomputation (and for the forward-only reference)."""
+    override_transformer_config.recompute_*, or enable_gradient_checkpointing (verl's key, here
+    full recomputation of every layer; verl's Megatron backend ignores it); None without recomputation (and for the forward-only reference)."""
     if isinstance(mc, RefMegatronConfig):
         return None
     r = mc.override_transformer_config

@@ -157,6 +157,9 @@ def _dp_worker(rank, world, splits):
                                              dp_group=grp)
         torch.testing.assert_close(w_dp, w_full[sl], atol=1e-12, rtol=0)
         assert m_dp == pytest.approx(m_full, rel=1e-12), level
+    # the engine-vs-trainer drift metrics are the whole batch's
+    full = algo.rollout_probs_diff(eng, old, m)
+    assert algo.rollout_probs_diff(eng[sl], old[sl], m[sl], dp_group=grp) == pytest.approx(full, rel=1e-12)
     # rejection sampling: the mask is each token's / sequence's own, its metrics are global
     for rs, th in (("token_k1,seq_mean_k3", "0.7_1.3,0.05"), ("seq_sum_k1,seq_max_k2,token_k2", "0.5_2.0,0.15,0.08")):
         k_full, rs_full = algo.rollout_correction.rollout_rejection_mask(old, eng, m, rs=rs, threshold=th)

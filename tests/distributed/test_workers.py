@@ -143,6 +143,11 @@ def _loss_mode_worker(rank, world, dirs, out_file):
                                            batch.response_mask, clip_ratio_low=0.2, clip_ratio_high=0.28, dro_beta=0.05,
                                            **extra)
         out[mode] = [m["actor/pg_loss_per_minibatch"][0], float(want)]
+        if mode in algo.COV_LOSSES:   # the selected share, under megappo's own name
+            out[mode + "/share"] = [m["actor/cov_selected_fraction"],
+                                    float(extra["cov_selected"].sum() / (batch.response_mask > 0).sum())]
+        else:
+            assert "actor/cov_selected_fraction" not in m
     with open(out_file, "w") as f:
         json.dump(out, f)
 
@@ -154,7 +159,7 @@ def test_the_actor_uses_the_configured_policy_loss(model_dir, tmp_path):
     spawn(_loss_mode_worker, 1, model_dir, out)
     with open(out) as f:
         got = json.load(f)
-    assert sorted(got) == algo.list_policy_losses()
+    assert sorted(k for k in got if "/" not in k) == algo.list_policy_losses()
     for mode, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), mode
     assert abs(got["gpg"][0] - got["vanilla"][0]) > 1e-2 and abs(got["gspo"][0] - got["vanilla"][0]) > 1e-4

@@ -91,5 +91,8 @@ def test_optimal_token_baseline_and_gdpo_get_their_inputs(tmp_path):
     for name in ("otb", "gdpo"):
         row = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
         assert row["step"] == 1 and row["critic/advantages/max"] > row["critic/advantages/min"], row
-        # the share of tokens Clip-Cov / KL-Cov selected over the whole mini-batch (both ranks)
-        assert 0 < row["actor/pg_clipfrac"] <= 0.1, row
+        # the share of tokens Clip-Cov / KL-Cov selected over the whole mini-batch (both ranks);
+        # pg_clipfrac is that share for Clip-Cov (verl's meaning), 0 for KL-Cov (nothing is clipped)
+        assert 0 < row["actor/cov_selected_fraction"] <= 0.1, row
+        assert row["actor/pg_clipfrac"] == pytest.approx(row["actor/cov_selected_fraction"] if name == "gdpo" else 0.0,
+                                                         abs=1e-6), row

@@ -65,8 +65,12 @@ def test_rollout_correction_against_a_perturbed_engine(tmp_path):
     # the engine's log-probs differ from the trainer's by the noise (tiny probabilities: small absolute
     # differences): weights far from 1, some truncated
     assert first["training/rollout_probs_diff_max"] > 1e-4        # unperturbed: ~1e-8
-    assert abs(first["rollout_corr/rollout_is_mean"] - 1) > 0.02 and first["rollout_corr/rollout_is_max"] > 1.5
+    # (truncation pulls their mean back near 1: ~1.02 for this noise, so the spread is what shows)
+    assert first["rollout_corr/rollout_is_std"] > 0.2 and first["rollout_corr/rollout_is_eff_sample_size"] < 0.97
+    assert 0 < first["rollout_corr/rollout_is_ratio_fraction_low"] < 1
+    # some truncated: the max is of the truncated weights (verl's), so the threshold itself
     assert 0 < first["rollout_corr/rollout_is_ratio_fraction_high"] < 1
+    assert first["rollout_corr/rollout_is_max"] == pytest.approx(1.5)
     assert first["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)   # one mini-batch: starts on-policy
     # rejection sampling dropped some tokens, not all (its metric, verl's name, over both ranks)
     assert 0 < first["rollout_corr/rollout_rs_masked_fraction"] < 1, first

@@ -46,13 +46,7 @@ def test_weights_equal_a_loop(level, normalize):
     factor = sum(kept) / len(kept) if normalize else 1.0
     want = torch.tensor([[x / factor for x in row] for row in trunc], dtype=DT) * mask
     torch.testing.assert_close(w, want, atol=1e-12, rtol=1e-12)
-    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(sum(units) / len(units), rel=1e-12)
-    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(max(units), rel=1e-12)
-    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(
-        sum(u > C for u in units) / len(units), abs=1e-12)
-    normed = [k / (sum(kept) / len(kept)) for k in kept]
-    assert metrics["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
-        1 / (sum(x * x for x in normed) / len(normed)), rel=1e-9)
+    # the metrics: against verl's formulas in tests/unit/test_verl_parity.py
     if normalize:
         assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(factor, rel=1e-12)
     assert not w.requires_grad

@@ -3,7 +3,12 @@
 Every loss takes (B, T) ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and
 returns ``(loss, metrics)``: a scalar that adds up over micro-batches and data-parallel ranks when
 ``global_tokens``/``global_seqs`` are the mini-batch's (see :func:`megappo.algo.agg_loss`), and
-token-mean metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``) of this micro-batch.
+token-mean metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``) of this micro-batch, each
+what verl v0.9.0's loss of that name logs (``ppo_kl``: mean of old_logp - logp, for kl_cov of
+|logp - old_logp|). Where verl's loss logs no such key (gpg, dro, kl_cov, clip_cov's
+pg_clipfrac_lower, reinforce's pg_clipfrac) megappo still returns it: 0 for a clip fraction
+(nothing of that kind is clipped) except reinforce's pg_clipfrac (its truncated share), and the
+usual signed ppo_kl for gpg; tests/unit/test_verl_parity.py holds verl's formulas.
 Formulas are in each docstring; ``r = exp(logp - old_logp)``, ``A`` the advantage, ``m`` the mask.
 
 ``clip_cov`` and ``kl_cov`` treat a few tokens of the whole mini-batch differently; which ones is
@@ -76,7 +81,9 @@ def _gspo(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0
     """GSPO (arXiv 2507.18071): one ratio per sequence, s_i = exp(mean_t (logp - old_logp)),
     carried to each token as s_it = sg(s_i) * pi / sg(pi) (log s_it clamped at 10);
     L = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)), aggregated seq-mean-token-mean
-    whatever loss_agg_mode says (as verl). GSPO's own ranges are small (3e-4, 4e-4)."""
+    whatever loss_agg_mode says: verl v0.9.0 (and its main branch of 2026-08-22) hard-codes that
+    mode in compute_policy_loss_gspo too, whatever actor.loss_agg_mode is. GSPO's own ranges are
+    small (3e-4, 4e-4). pg_clipfrac_lower is 0 (as verl)."""
     m = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     seq = masked_sum(log_ratio, response_mask, dim=-1) / m.sum(-1).clamp(min=1)
@@ -150,7 +157,9 @@ def _geo_mean(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_l
     log-ratio clipped in log space on the side its advantage's sign makes harmful:
     d_t = sign(A) min(sign(A) d, sign(A) clip(d, -eps_low, eps_high)), d = logp - old_logp;
     L_i = -Abar_i exp(mean_t d_t) with Abar_i the sequence's mean advantage; the loss is the mean
-    of L_i over (non-empty) sequences (loss_agg_mode is not used, as in verl)."""
+    of L_i over (non-empty) sequences (loss_agg_mode is not used, as in verl). verl v0.9.0 takes
+    torch.mean over the micro-batch's rows instead: the same on one micro-batch without empty
+    rows; here global_seqs makes micro-batches and DP ranks add up to the mini-batch's mean."""
     m = response_mask.to(log_prob.dtype)
     d = log_prob - old_log_prob
     sgn = torch.sign(advantages)
@@ -259,9 +268,14 @@ def _kl_cov(old_log_prob, log_prob, advantages, response_mask, *, ppo_kl_coef=0.
             cov_selected=None, **kw):
     """KL-Cov (arXiv 2505.22617): the unclipped -A r on every token, plus ppo_kl_coef |logp - old_logp|
     on the selected tokens (:func:`kl_cov_selection`: those with the largest covariance of
-    advantage and log-prob). ``pg_clipfrac``: the share of tokens penalised."""
+    advantage and log-prob). ``ppo_kl`` is the mean of |logp - old_logp|, as verl logs it for this
+    loss (v0.9.0), not the signed mean of the other losses; nothing is clipped (pg_clipfrac 0; verl
+    logs no pg_clipfrac here; the actor logs the share penalised as actor/cov_selected_fraction)."""
     sel = _need_selection("kl_cov", cov_selected)
     log_ratio = log_prob - old_log_prob
     losses = -advantages * torch.exp(log_ratio) + sel.to(log_prob.dtype) * ppo_kl_coef * log_ratio.abs()
     loss = agg_loss(apply_weights(losses, kw.get("rollout_is_weights")), response_mask, loss_agg_mode, **_norm(kw))
-    return loss, _metrics(log_ratio, response_mask, clipfrac=sel & (response_mask > 0))
+    metrics = _metrics(log_ratio, response_mask)
+    with torch.no_grad():
+        metrics["ppo_kl"] = masked_mean(log_ratio.detach().abs(), response_mask)
+    return loss, metrics

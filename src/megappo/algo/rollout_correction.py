@@ -35,51 +35,89 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 SAFETY_BOUND = 20.0
 
 
-def _global_max_min(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[float, float]:
-    vals = x[mask.bool()]
-    big = torch.tensor([vals.max().item() if vals.numel() else -float("inf"),
-                        -(vals.min().item()) if vals.numel() else -float("inf")], dtype=torch.float64, device=x.device)
-    if group is not None:
-        dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
-    return float(big[0]), float(-big[1])
-
-
 def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, *,
                        level: str = "token", threshold: float = 2.0, batch_normalize: bool = False,
                        dp_group=None) -> tuple[torch.Tensor, dict]:
-    """(B, T) truncated importance weights (0 off the mask) and their metrics (verl's
-    ``rollout_corr/`` names; before truncation: mean, max, min, the fraction above the threshold;
-    after: the effective sample size 1 / mean((w / mean w)^2)). DP-global with ``dp_group``."""
+    """(B, T) truncated importance weights (0 off the mask) and their metrics, DP-global with
+    ``dp_group``: verl's ``compute_is_metrics`` (v0.9.0) on the whole batch, see :func:`_is_metrics`.
+    ``batch_normalize`` divides the weights by their mean over tokens (token) or sequences
+    (sequence) after the metrics are taken, as verl."""
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {', '.join(ROLLOUT_IS_LEVELS)}, got {level!r}")
     if not threshold > 0:
         raise ValueError(f"rollout_is_threshold must be > 0, got {threshold}")
     m = response_mask.to(torch.float64)
-    log_ratio = (old_log_prob.double() - rollout_log_probs.double()) * m
     with torch.no_grad():
-        # the weighted units: every token, or one entry per non-empty sequence
+        d = torch.where(m > 0, old_log_prob.detach().double() - rollout_log_probs.detach().double(),
+                        torch.zeros((), dtype=torch.float64, device=m.device))
+        seq_log = d.sum(-1) if level == "sequence" else None   # unclamped: verl's metrics read it
         if level == "token":
-            unit = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-            unit_mask = m
+            raw = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * m
         else:
-            unit = torch.exp(log_ratio.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-            unit_mask = (m.sum(-1) > 0).to(m.dtype)
-        mx, mn = _global_max_min(unit, unit_mask, dp_group)
-        metrics = {"rollout_corr/rollout_is_mean": masked_mean(unit, unit_mask, group=dp_group).item(),
-                   "rollout_corr/rollout_is_max": mx, "rollout_corr/rollout_is_min": mn,
-                   "rollout_corr/rollout_is_ratio_fraction_high":
-                       masked_mean((unit > threshold).to(m.dtype), unit_mask, group=dp_group).item()}
-        unit = unit.clamp(max=threshold)
+            raw = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))[:, None] * m
+        w = raw.clamp(max=threshold)
+        metrics = _is_metrics(w, raw, seq_log, m, threshold, dp_group)
         if batch_normalize:
-            mean = masked_mean(unit, unit_mask, group=dp_group).item()
+            # the mean of the units: tokens, or one weight per non-empty sequence
+            units, umask = (w, m) if level == "token" else (w.amax(-1), (m.sum(-1) > 0).to(m.dtype))
+            mean = masked_mean(units, umask, group=dp_group).item()
             factor = mean if mean > 1e-8 else 1.0
-            unit = unit / factor
+            w = w / factor
             metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor
-        mean = masked_mean(unit, unit_mask, group=dp_group)
-        sq = masked_mean((unit / mean.clamp(min=1e-12)) ** 2, unit_mask, group=dp_group)
-        metrics["rollout_corr/rollout_is_eff_sample_size"] = (1.0 / sq.clamp(min=1e-12)).item()
-        w = (unit if level == "token" else unit[:, None].expand_as(m)) * m
-    return w.to(old_log_prob.dtype) * response_mask.to(old_log_prob.dtype), metrics
+    return w.to(old_log_prob.dtype), metrics
+
+
+def _is_metrics(w: torch.Tensor, raw: torch.Tensor, seq_log: Optional[torch.Tensor], m: torch.Tensor,
+                threshold: float, group) -> dict:
+    """verl v0.9.0's ``compute_is_metrics`` (names under ``rollout_corr/``), DP-global: over the
+    batch's tokens, each sequence counting with its token count, and over its non-empty sequences
+    (verl's row statistics take every row; the two agree unless DP padding adds empty rows).
+    ``w`` the truncated (B, T) weights, ``raw`` before truncation, ``seq_log`` the sequences'
+    unclamped log-ratio sums (sequence level) or None (token level).
+
+    rollout_is_mean / _std / _eff_sample_size: token mean, population std and 1 / mean((w / mean w)^2)
+    of the truncated weights (at sequence level too: a sequence weighs by its length);
+    _max / _min: of the truncated weights (token) or exp of the largest (capped at 20) / smallest
+    log-ratio sum (sequence); _ratio_fraction_high / _low: the share of tokens (token) or
+    sequences (sequence) whose raw ratio is above C / below 1 / C; _seq_mean / _seq_std (Bessel) /
+    _seq_max / _seq_min / _seq_max_deviation (max |. - 1|): of each sequence's mean truncated
+    weight; _seq_fraction_high / _low: sequences whose mean raw weight is above C / below 1 / C."""
+    f64, lo = torch.float64, 1.0 / threshold
+    n = m.sum(-1)
+    seq = n > 0
+    sf = seq.to(f64)
+    s = (w * m).sum(-1) / n.clamp(min=1)            # each sequence's mean truncated weight
+    s_raw = (raw * m).sum(-1) / n.clamp(min=1)
+    if seq_log is None:
+        hi_u, lo_u, umask = raw > threshold, raw < lo, m
+    else:
+        hi_u, lo_u, umask = seq_log > math.log(threshold), seq_log < math.log(lo), sf
+    S = _reduce([m.sum(), sf.sum(), (w * m).sum(), (w * w * m).sum(), (umask * hi_u).sum(), (umask * lo_u).sum(),
+                 (sf * s).sum(), (sf * s * s).sum(), (sf * (s_raw > threshold)).sum(), (sf * (s_raw < lo)).sum()],
+                group)
+    ninf = torch.tensor(-math.inf, dtype=f64, device=m.device)
+
+    def top(x, keep):   # the largest x where keep, -inf if none
+        return x[keep].max() if keep.any() else ninf
+
+    units, ukeep = (w, m > 0) if seq_log is None else (seq_log, seq)
+    M = _reduce([top(units, ukeep), top(-units, ukeep), top(s, seq), top(-s, seq), top((s - 1).abs(), seq)],
+                group, dist.ReduceOp.MAX)
+    N, NS, sw, sw2, u_hi, u_lo, ss, ss2, s_hi, s_lo = S
+    if N == 0:
+        return {f"rollout_corr/rollout_is_{k}": 0.0 for k in _IS_METRICS}
+    NU = N if seq_log is None else NS
+    mean, mean_sq, seq_mean = sw / N, sw2 / N, ss / NS
+    mx, mn = (M[0], -M[1]) if seq_log is None else (math.exp(min(M[0], SAFETY_BOUND)), math.exp(-M[1]))
+    vals = [mean, mx, mn, u_hi / NU, u_lo / NU, math.sqrt(max(mean_sq - mean * mean, 0.0)) if N > 1 else 0.0,
+            mean * mean / mean_sq if mean_sq > 0 else 0.0, seq_mean,
+            math.sqrt(max(ss2 - NS * seq_mean * seq_mean, 0.0) / (NS - 1)) if NS > 1 else 0.0,
+            M[2], -M[3], M[4], s_hi / NS, s_lo / NS]
+    return {f"rollout_corr/rollout_is_{k}": float(v) for k, v in zip(_IS_METRICS, vals)}
+
+
+_IS_METRICS = ("mean", "max", "min", "ratio_fraction_high", "ratio_fraction_low", "std", "eff_sample_size", "seq_mean",
+               "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low")
 
 
 def truncated_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, *, level: str = "token",
@@ -161,8 +199,9 @@ def parse_rollout_rs(rs, threshold) -> list[RSOption]:
     verl) with their ``rollout_rs_threshold`` (a number, or a string of comma-separated entries:
     one for all options or one per option; a k1 entry is ``lower_upper`` ratio bounds or one
     upper bound u with lower 1/u; a k2/k3 entry one upper bound). Raises :class:`RolloutRSError`
-    (a ValueError naming the key at fault). Stricter than verl where verl would run with a
-    setting that keeps nothing or misreads it: lower > upper, 'a_b_c', non-finite bounds."""
+    (a ValueError naming the key at fault). Both this and verl v0.9.0 refuse lower > upper; this
+    also refuses what verl would misread and run with: 'a_b_c' (verl splits at the first '_' and
+    Python's float reads '2_3' as 23, so '0.5_2_3' is 0.5 to 23) and non-finite bounds."""
     names: list[str] = []
     for opt in (rs.split(",") if isinstance(rs, str) else []):
         opt = opt.strip()

@@ -74,13 +74,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict:
-    """Drift between the rollout engine and the trainer on the same tokens (verl's metrics):
-    d = |exp(rollout_logp) - exp(old_logp)| over response tokens -> max, mean, std (floats)."""
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                       dp_group=None) -> dict:
+    """Drift between the rollout engine and the trainer on the same tokens, verl's
+    ``calculate_debug_metrics`` (v0.9.0): d = |exp(rollout_logp) - exp(old_logp)| over the response
+    tokens -> max, mean, std (Bessel-corrected, as torch.std); DP-global with ``dp_group`` (verl
+    takes the whole batch on its driver). No token on any rank: 0s (verl: nan)."""
     m = response_mask.bool()
-    d = (torch.exp(rollout_log_probs.double()) - torch.exp(old_log_prob.double())).abs()[m]
-    if d.numel() == 0:
-        return {"training/rollout_probs_diff_max": 0.0, "training/rollout_probs_diff_mean": 0.0,
-                "training/rollout_probs_diff_std": 0.0}
-    return {"training/rollout_probs_diff_max": d.max().item(), "training/rollout_probs_diff_mean": d.mean().item(),
-            "training/rollout_probs_diff_std": d.std(unbiased=False).item()}
+    d = (torch.exp(rollout_log_probs.double()) - torch.exp(old_log_prob.double())).abs()
+    d = torch.where(m, d, torch.zeros((), dtype=d.dtype, device=d.device))
+    n, total = _all_reduce(torch.stack([m.to(d.dtype).sum(), d.sum()]), dp_group).tolist()
+    big = d.max().reshape(1) if d.numel() else torch.zeros(1, dtype=d.dtype, device=d.device)   # d >= 0
+    if dp_group is not None:
+        dist.all_reduce(big, op=dist.ReduceOp.MAX, group=dp_group)
+    mean = total / n if n else 0.0
+    ss = _all_reduce(torch.where(m, (d - mean) ** 2, torch.zeros((), dtype=d.dtype, device=d.device)).sum().reshape(1),
+                     dp_group).item()
+    return {"training/rollout_probs_diff_max": float(big.item()) if n else 0.0,
+            "training/rollout_probs_diff_mean": mean,
+            "training/rollout_probs_diff_std": (ss / (n - 1)) ** 0.5 if n > 1 else 0.0}

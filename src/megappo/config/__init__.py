@@ -1,7 +1,7 @@
 """Configuration: one dataclass tree whose key paths are verl's.
 
 Values come, in order, from the dataclass defaults (verl's documented defaults where verl has
-one), YAML presets (``--config FILE``, nested mappings or dotted keys) and command-line overrides
+one, but for the few docs/configuration.md lists under "Where megappo differs from verl"), YAML presets (``--config FILE``, nested mappings or dotted keys) and command-line overrides
 ``a.b.c=value`` typed by the field's annotation. ``${a.b.c}`` refers to another key, as in verl's
 YAML: a whole value (``critic.ppo_epochs=${actor_rollout_ref.actor.ppo_epochs}``) takes that key's
 value and type; inside a string it is substituted as text.

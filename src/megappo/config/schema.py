@@ -65,7 +65,7 @@ class DataConfig:
 class ModelConfig:
     path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id org/name[@revision], downloaded into the HF cache (docs/models.md, Hub ids).")
     use_remove_padding: bool = _f(False, "Sequence packing: each micro-batch's sequences end to end in one row (THD), no compute on padding. Needs TransformerEngine's layer spec (GPU); with the local spec (CPU) micro-batches stay padded and a warning says so.")
-    enable_gradient_checkpointing: bool = _f(False, "verl's switch for activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise.")
+    enable_gradient_checkpointing: bool = _f(False, "Activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise. verl's key, read by its FSDP backend (default true there); verl's Megatron backend ignores it and recomputes only as override_transformer_config says, so the default false keeps a verl Megatron command line's memory and speed.")
 
 
 @dataclass
@@ -193,7 +193,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = _f(2, "vLLM tensor-parallel size, independent of the training layout.")
     gpu_memory_utilization: float = _f(0.5, "Fraction of TOTAL accelerator memory vLLM may use (weights + KV cache).")
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "vLLM compute dtype.")
-    enforce_eager: Optional[bool] = _f(None, "Run vLLM eagerly (no CUDA graphs / torch.compile). null (megappo's default, verl's is true): false on GPU, where CUDA graphs speed up decoding, true on CPU, where compilation costs ~30 s at start for ~15% faster decoding (benchmarks/rollout.py).")
+    enforce_eager: Optional[bool] = _f(None, "Run vLLM eagerly (no CUDA graphs / torch.compile). null (megappo's default; verl's is false): false on GPU (as verl), where CUDA graphs speed up decoding, true on CPU, where compilation costs ~30 s at start for ~15% faster decoding (benchmarks/rollout.py).")
     free_cache_engine: bool = _f(True, "Free vLLM's KV cache and weights while training (sleep/wake; a no-op on CPU).")
     shard_sync: bool = _f(True, "Weight sync sends each rank's own TP shard in vLLM's layout, with no TP gather, when rollout TP equals training TP and the engine's parameters match (megappo.sync); false always gathers full tensors. Either way the engine ends with the same weights.")
     max_num_batched_tokens: int = _f(8192, "vLLM scheduler token budget per step.")

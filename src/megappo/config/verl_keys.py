@@ -83,7 +83,8 @@ RULES: list[tuple[str, Rule]] = [
 
 
 def parse_value(value: Any) -> Any:
-    """A value as verl's hydra would see it: text from the command line is parsed as YAML."""
+    """A value from the command line parsed as YAML, which approximates hydra's override grammar
+    (verl's parser) on numbers, booleans, null and lists; the two are not checked to agree."""
     if isinstance(value, str):
         try:
             return yaml.safe_load(value)

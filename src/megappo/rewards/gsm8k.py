@@ -1,7 +1,8 @@
-"""GSM8K rule reward, as verl users know it.
+"""GSM8K rule reward: verl's extraction (verl/utils/reward_score/gsm8k.py, v0.9.0), compared as
+numbers where verl compares strings ("18.00" against "18" is right here, wrong in verl).
 
 ``strict``: the answer is the number after "#### " (commas and "$" dropped).
-``flexible``: the last number in the response.
+``flexible``: the last number in the response (here also without commas and a trailing ".").
 Only the last 300 characters are searched (long reasoning before the answer is irrelevant and
 regexes over it are slow).
 """

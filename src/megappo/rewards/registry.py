@@ -97,7 +97,8 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
 def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None,
                 details: Optional[list] = None) -> list[float]:
     """Score every sample; a failing or non-finite reward raises RewardFunctionError naming the
-    sample (verl's reward manager lets such errors stop the run; so do we, with a clear message).
+    sample (verl v0.9.0's reward manager stops on an exception too, with less said, but lets NaN/inf
+    through and scores a timed-out call 0).
     ``details``: a list that receives, per sample, the dict a reward function returned (e.g. with
     DAPO's ``acc``), or None for a plain number."""
     import math

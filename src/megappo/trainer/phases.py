@@ -41,7 +41,8 @@ def rollout_correction(batch: RolloutBatch, cfg, dp_group) -> tuple[Optional[tor
     applies, metrics): the engine-vs-trainer drift metrics always; the weights with
     algorithm.rollout_correction.rollout_is, the mask with rollout_rs (DP-global metrics)."""
     rc = cfg.algorithm.rollout_correction
-    metrics = algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask)
+    metrics = algo.rollout_probs_diff(batch.rollout_log_probs, batch.old_log_prob, batch.response_mask,
+                                      dp_group=dp_group)
     weights = mask = None
     # bypass mode: old = the engine's, weights and rejection come from the current policy in the loss
     if rc.rollout_is is not None and not rc.bypass_mode:

@@ -353,6 +353,8 @@ class Actor(MegatronWorker):
                                **{k: v * share for k, v in m.items()}}
             return loss_fn
 
+        cov_share = []   # per mini-batch: the share of its tokens Clip-Cov / KL-Cov selected
+
         def select_cov_tokens(mini: RolloutBatch, seed: int) -> RolloutBatch:
             """Clip-Cov/KL-Cov choose their tokens over the whole mini-batch, from the current
             policy's log-probs (one forward pass more per mini-batch), before its micro-batches."""
@@ -369,6 +371,9 @@ class Actor(MegatronWorker):
                 sel = algo.kl_cov_selection(lp, on["advantages"], on["loss_mask"], keys, dp_group=self.dp_group,
                                             kl_cov_ratio=loss.kl_cov_ratio)
             mini.cov_selected = sel.to(mini.response_mask.device)
+            # a name of megappo's own: verl logs no such share for KL-Cov (for Clip-Cov it is pg_clipfrac)
+            cov_share.append(float(algo.global_count(sel, self.dp_group)
+                                   / algo.global_count(on["loss_mask"], self.dp_group).clamp(min=1)))
             return mini
 
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
@@ -377,6 +382,8 @@ class Actor(MegatronWorker):
                               prepare=select_cov_tokens if loss.loss_mode in algo.COV_LOSSES else None)
         metrics = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["actor/pg_loss_per_minibatch"] = history["pg_loss"]
+        if cov_share:
+            metrics["actor/cov_selected_fraction"] = sum(cov_share) / len(cov_share)
         return metrics
 
 
