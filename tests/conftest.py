@@ -14,6 +14,11 @@ from processes import pytest_configure, pytest_sessionfinish  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:   # the fast tier, -m "not slow", is tests/unit (single-process)
+        folder = Path(str(item.fspath)).parent.name
+        if folder in ("distributed", "e2e", "gpu") or item.get_closest_marker("distributed") \
+                or item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 
