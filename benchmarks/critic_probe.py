@@ -39,7 +39,8 @@ P_CHOICES = (0.2, 0.5, 0.8)
 TOKENS = 2048   # learning.py's critic.ppo_max_token_len_per_gpu (dynamic batch size)
 
 
-def build(task: str, seed: int, overrides: list[str], model_dir: str | None = None, shape: dict | None = None):
+def build(task: str, seed: int, overrides: list[str], model_dir: str | None = None, shape: dict | None = None,
+          sft_steps: int = 0):
     """(cfg, critic, value loss spec, tokenizer, prompts) as the trainer builds them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import learning  # the benchmark's own settings, so the probe cannot drift from them
@@ -55,6 +56,8 @@ def build(task: str, seed: int, overrides: list[str], model_dir: str | None = No
     model = model_dir or paths["model"]
     if shape:   # a random-init critic of another shape on the task's tokenizer
         model = _reshaped(paths["model"], str(out / "critic_model"), shape, seed)
+    if sft_steps:
+        model = _fine_tuned(model, str(out / "fine_tuned"), paths["train"], sft_steps)
     args = ["trainer.n_gpus_per_node=1", f"actor_rollout_ref.model.path={model}", f"data.train_files=[{paths['train']}]",
             f"data.val_files=[{paths['test']}]", "data.max_prompt_length=16", f"data.max_response_length={N_WORDS}",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
@@ -90,6 +93,35 @@ def _reshaped(src: str, dst: str, shape: dict, seed: int) -> str:
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(dst, safe_serialization=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def _fine_tuned(src: str, dst: str, train: str, steps: int) -> str:
+    """The task's model trained to answer the prompt's first word 8 times (supervised, Adam 1e-3,
+    64 prompts a step; 300 steps bring the loss to ~0.007): a stand-in for an actor that has learnt
+    pick_first, to start the critic from."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    prompts = [tok.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True)
+               for m in pd.read_parquet(train)["prompt"]]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        rows = [prompts[i] for i in torch.randint(len(prompts), (64,), generator=g).tolist()]
+        ids = torch.tensor([p + [p[1]] * N_WORDS for p in rows])
+        labels = ids.clone()
+        labels[:, :len(rows[0])] = -100
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"fine-tuned the critic's start to answer the first word: {steps} steps, loss {loss.item():.4f}")
+    model.save_pretrained(dst, safe_serialization=True)
+    tok.save_pretrained(dst)
     return dst
 
 
@@ -177,12 +209,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a model folder to build the critic from (default: the task's)")
     ap.add_argument("--layers", type=int, default=None, help="a random-init critic with this many layers")
     ap.add_argument("--hidden", type=int, default=None, help="... and this hidden size (intermediate 2x)")
+    ap.add_argument("--sft-steps", type=int, default=0,
+                    help="start the critic from the model fine-tuned this many steps to answer the first word")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     a = ap.parse_args(argv)
     torch.manual_seed(a.seed)
     shape = {k: v for k, v in (("num_hidden_layers", a.layers), ("hidden_size", a.hidden),
                                ("intermediate_size", a.hidden and 2 * a.hidden)) if v}
-    cfg, critic, vloss, tok, prompts = build("copy" if a.task == "const" else a.task, a.seed, a.overrides, a.model, shape)
+    cfg, critic, vloss, tok, prompts = build("copy" if a.task == "const" else a.task, a.seed, a.overrides, a.model, shape,
+                                           a.sft_steps)
     n, per_step = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
     rng = random.Random(1000 + a.seed)
     held = synth_batch(prompts, tok, a.task, 64, n, random.Random(7))
@@ -206,6 +241,7 @@ def main(argv=None) -> int:
     same, nxt = alignment(critic, held)
     print(f"alignment: replacing response token 3 changes V(s_3) by at most {same:.2e} (must be 0), "
           f"V(s_4) by {nxt:.4f} on average")
+    torch.distributed.destroy_process_group()   # after the fine-tuning's autograd threads, exit hangs without it
     return 0
 
 
