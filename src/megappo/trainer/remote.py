@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from megappo import watchdog
 from megappo.distributed import split
 from megappo.rollout import RolloutOutput, SamplingConfig
 
@@ -110,6 +111,7 @@ def serve(cfg, groups) -> None:
         elif op == RESET_PREFIX_CACHE:
             engine.reset_prefix_cache()
         elif op == STOP:
+            watchdog.stop()
             split.close_bridge(groups)
             engine.shutdown()
             return
