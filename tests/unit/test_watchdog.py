@@ -116,9 +116,21 @@ def test_a_store_that_stops_answering_ends_the_job_after_the_silence():
 def test_a_watcher_held_itself_judges_afresh():
     w = World()
     w.run(10)
-    w.t += 60   # every thread held (a slow phase on this host): no one's silence is known
+    w.dogs[0].tick()   # rank 0 has seen every rank's latest beat
+    w.t += 60          # every thread on the host held (a paused machine): rank 0 wakes first
+    w.dogs[0].tick()
+    assert w.ended == []   # the others' beats did not move, but nor could rank 0 see them move
     w.run(10)
     assert w.ended == []
+
+
+def test_phases_nest_and_the_step_carries_through():
+    watchdog.set_step(3)
+    with watchdog.phase("step"):
+        with watchdog.phase("update_actor"):
+            assert watchdog.current() == ("update_actor", 3)
+            watchdog.set_step(4)
+        assert watchdog.current() == ("step", 4)
 
 
 def test_disabled_or_alone_starts_nothing(monkeypatch):
