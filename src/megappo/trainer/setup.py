@@ -36,7 +36,7 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
         groups = split.init_split(train_ranks_of(tr.nnodes, tr.n_gpus_per_node, ro.nnodes, ro.n_gpus_per_node),
                                   backend, timeout)
         split.set_current(groups)
-        _start_watchdog(cfg, groups.global_rank, groups.world)
+        _start_watchdog(cfg, groups.global_rank, groups.global_world)
         if groups.role == "rollout":
             return process_device(cfg.trainer.device)
     else:
