@@ -1,10 +1,11 @@
 """Heartbeat and watchdog: a rank that stops (SIGSTOP, a frozen or lost machine) ends the job in
 minutes instead of holding every other rank for ``trainer.dist_timeout_s``.
 
-Each rank runs one daemon thread. Every few seconds it writes this rank's beat -- a counter, the
+Each rank runs a daemon thread. Every few seconds it writes this rank's beat -- a counter, the
 phase and step the main thread is in, the host and pid -- to the job's store, through a client
 connection of its own (the main thread's store calls may block for a whole phase; this one never
-waits behind them, and its short timeout lets it notice a store that stopped answering). Global
+waits behind them). A second thread, the guard, ends the job when no store round has completed
+for the silence: a client call to a stopped store host can block past its own timeout. Global
 rank 0 reads every rank's beat (one ``multi_get``), the other ranks read rank 0's: O(world) store
 operations per interval in all. A beat whose counter has not changed for ``trainer.watchdog_silence_s``
 (``trainer.watchdog_slow_phase_s`` in a phase declared slow) makes the watcher print one line
@@ -14,8 +15,9 @@ and the Ray launcher turn into the end of the job. Silence is measured on the wa
 
 The main thread only sets a module variable on entering a phase (:func:`phase`, which
 :class:`megappo.metrics.Timer` calls for every timed phase) and wakes the thread to publish it:
-nothing on the hot path touches the store. What a thread cannot see: a rank whose main thread is blocked (a deadlocked collective, a
-hung reward or tool call) still beats; that is left to ``trainer.dist_timeout_s``."""
+nothing on the hot path touches the store. What a thread cannot see: a rank whose main thread is
+blocked (a deadlocked collective, a hung reward or tool call) still beats; that is left to
+``trainer.dist_timeout_s``."""
 from __future__ import annotations
 
 import os
@@ -91,6 +93,7 @@ class Watchdog:
         self.store, self.store_ok, self.last_loop = None, clock(), None
         self.done, self.wake = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._loop, name="megappo-watchdog", daemon=True)
+        self.guard = threading.Thread(target=self._guard, name="megappo-watchdog-guard", daemon=True)
 
     def beat_value(self) -> str:
         name, step, allowance = _now
@@ -115,13 +118,18 @@ class Watchdog:
             self.store_ok = now
         except Exception as e:   # a store that stopped answering: its host is stopped or gone
             self.store = None
-            quiet = now - self.store_ok
-            if quiet > self.silence and 0 not in self._finished():
-                who = self.describe(0, self.seen.get(0, ("",))[0])
-                self._fire(f"megappo: rank {self.rank}: the job's store has not answered for {quiet:.0f} s "
-                         f"({type(e).__name__}: {e}); {who}; ending the job")
-                return
+            self.judge_store(now, f" ({type(e).__name__}: {e})")
+            return
         self._judge(now)
+
+    def judge_store(self, now: float, why: str = "") -> None:
+        """End the job when no store round has completed for the silence. Called by the guard
+        thread too: a client call to a stopped store host may block past its own timeout."""
+        quiet = now - self.store_ok
+        if quiet > self.silence and 0 not in self._finished() and not self.done.is_set():
+            who = self.describe(0, self.seen.get(0, ("",))[0])
+            self._fire(f"megappo: rank {self.rank}: the job's store has not answered for {quiet:.0f} s{why}; "
+                       f"{who}; ending the job")
 
     def _read(self, now: float) -> None:
         keys = [r for r in self.watched if r != self.rank and not self._is_done(r)]
@@ -168,6 +176,15 @@ class Watchdog:
             self.wake.wait(self.interval)
             self.wake.clear()
             self.tick()
+
+    def _guard(self) -> None:
+        last = self.clock()
+        while not self.done.wait(self.interval):
+            now = self.clock()
+            if now - last > 3 * self.interval + 1:   # held itself (a slow phase here): judge afresh
+                self.store_ok = max(self.store_ok, now)
+            last = now
+            self.judge_store(now)
 
     def finish(self) -> None:
         """This rank is done: say so (its silence from now on is no fault) and stop the thread."""
@@ -216,6 +233,7 @@ def start(rank: int, world: int, silence: float, slow: float, timeout: float = 5
 
     _current = Watchdog(connect, rank, world, silence, slow, interval=max(0.5, min(5.0, silence / 4, timeout)))
     _current.thread.start()
+    _current.guard.start()
     return _current
 
 

@@ -1,5 +1,8 @@
 """A stuck rank ends the job in the configured silence, named, and the last checkpoint stays
-published: a 2-rank run whose rank 1 SIGSTOPs itself in step 2's actor update."""
+published: a 2-rank run where one rank SIGSTOPs itself in step 2's actor update. Rank 1 stopped:
+rank 0's watchdog sees its beat stand still. Rank 0 stopped: it hosts the job's store here (as
+under srun and the Ray launcher), so rank 1 sees the store stop answering -- its client calls
+then block, and only the watchdog's guard thread can end the job."""
 import os
 import re
 import signal
@@ -37,7 +40,8 @@ def _stop_in_update(rank, world, setup, run_dir, stop_rank, at_step):
 
 
 @pytest.mark.e2e
-def test_a_stopped_rank_ends_the_job_named_and_the_last_checkpoint_is_kept(tmp_path, capfd):
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_ends_the_job_named_and_the_last_checkpoint_is_kept(tmp_path, capfd, stopped):
     from harness import spawn
 
     from megappo.data.tiny import make_tiny_setup
@@ -45,13 +49,16 @@ def test_a_stopped_rank_ends_the_job_named_and_the_last_checkpoint_is_kept(tmp_p
     setup = make_tiny_setup(str(tmp_path / "tiny"))
     run = tmp_path / "run"
     with pytest.raises(Exception):
-        spawn(_stop_in_update, 2, setup, str(run), 1, 2)
+        spawn(_stop_in_update, 2, setup, str(run), stopped, 2)
     ended = time.time()
     err = capfd.readouterr().err
-    m = re.search(rf"megappo: rank 1 \(host {re.escape(socket.gethostname())}, pid (\d+)\) last in phase "
-                  r"update_actor of step 2, silent for (\d+) s; ending the job", err)
+    who = rf"rank {stopped} \(host {re.escape(socket.gethostname())}, pid (\d+)\) last in phase update_actor of step 2"
+    if stopped:
+        m = re.search(rf"megappo: {who}, silent for (\d+) s; ending the job", err)
+    else:
+        m = re.search(rf"megappo: rank 1: the job's store has not answered for (\d+) s[^;]*; {who}; ending the job", err)
     assert m, err[-3000:]
-    pid, silent = int(m.group(1)), int(m.group(2))
+    pid, silent = (int(m.group(1)), int(m.group(2))) if stopped else (int(m.group(2)), int(m.group(1)))
     try:   # the harness ends what its world left; make sure of the stopped rank whatever it did
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

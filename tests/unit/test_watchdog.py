@@ -113,6 +113,18 @@ def test_a_store_that_stops_answering_ends_the_job_after_the_silence():
     assert "rank 0 (host" in w.ended[0][1]
 
 
+def test_a_store_call_that_never_returns_is_judged_by_the_guard():
+    w = World(n=2)
+    w.run(10)
+    d = w.dogs[1]   # its beat thread now blocked in a store call: only the guard runs
+    w.t += 20
+    d.judge_store(w.t)
+    assert w.ended == []
+    w.t += 5
+    d.judge_store(w.t)
+    assert w.ended[0][0] == 1 and "the job's store has not answered for 25 s; rank 0 (host" in w.ended[0][1]
+
+
 def test_a_watcher_held_itself_judges_afresh():
     w = World()
     w.run(10)
