@@ -12,24 +12,30 @@ from typing import Optional
 
 import torch
 
+from megappo import watchdog
 from megappo.config import MegatronConfig, OptimConfig, PPOConfig, RefMegatronConfig, critic_enabled
 
 
+# vLLM's start (weights, compilation, CUDA graphs) may hold the interpreter for minutes
+@watchdog.in_phase("engine_start", watchdog.SLOW)
 def build_engine(cfg: PPOConfig):
     """The rollout engine (actor_rollout_ref.rollout), loaded with dummy weights: the first
     weight sync fills them from the actor."""
-    from megappo.rollout import VLLMRollout
+    from megappo.rollout import VLLMRollout, engine_failure
 
     arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     ro = arr.rollout
     engines = {"vllm": VLLMRollout}  # rollout.name (validated: vllm only today)
-    return engines[ro.name](
-        os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
-        dtype="float32" if tr.device == "cpu" else ro.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
-        max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
-        gpu_memory_utilization=ro.gpu_memory_utilization,
-        enforce_eager=enforce_eager(cfg),
-        free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed)
+    try:
+        return engines[ro.name](
+            os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
+            dtype="float32" if tr.device == "cpu" else ro.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
+            max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
+            gpu_memory_utilization=ro.gpu_memory_utilization,
+            enforce_eager=enforce_eager(cfg),
+            free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed)
+    except Exception as e:   # named: the phase, and the memory settings when memory ran out
+        raise engine_failure("its start", e, ro.gpu_memory_utilization) from e
 
 
 def enforce_eager(cfg: PPOConfig) -> bool:

@@ -218,9 +218,12 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str):
+        from megappo import watchdog
+
         t = time.perf_counter()
         try:
-            yield
+            with watchdog.phase(name):   # the phase a silent rank was last in
+                yield
         finally:
             self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t
 

@@ -142,12 +142,14 @@ def _run_with_slow_update(rank, world, setup, run_dir, steps, extra, port):
 def test_a_training_step_longer_than_the_timeout_does_not_break_the_bridge(tiny):
     """The rollout ranks wait for the next command through the whole update, and (one-step off)
     the first one's generation waits for rank 0 to collect it after the update: 15 s against a
-    10 s process-group timeout. Both meet in the job's store first, so the run finishes."""
+    10 s process-group timeout. Both meet in the job's store first, so the run finishes. The
+    watchdog, at a 5 s silence, sees every rank of both roles beat through the wait."""
     from harness import free_port, spawn
 
     root, setup = tiny
     run = root / "slow_update"
     spawn(_run_with_slow_update, 4, setup, str(run), 2,
-          SPLIT + ["trainer.async_mode=one_step_off", "trainer.dist_timeout_s=10", "trainer.save_freq=-1"], free_port())
+          SPLIT + ["trainer.async_mode=one_step_off", "trainer.dist_timeout_s=10", "trainer.save_freq=-1",
+                   "trainer.watchdog_silence_s=5"], free_port())
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["timing_s/update_actor"] >= 15

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "response_mask_from_ids"]
+__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "RolloutEngineError", "engine_failure", "response_mask_from_ids"]
 
 
 @dataclass
@@ -92,6 +92,46 @@ def response_mask_from_ids(responses: torch.Tensor, eos_token_ids: Sequence[int]
     return (valid & before_first_eos).float()
 
 
+class RolloutEngineError(RuntimeError):
+    """The rollout engine failed: the phase and step of the run it failed in, and what to try."""
+
+
+_MEMORY = ("out of memory", "no available memory", "cache blocks", "kv cache")
+
+
+def engine_failure(what: str, e: BaseException, gpu_memory_utilization: Optional[float]) -> RolloutEngineError:
+    """``e`` from the engine's ``what``, as an error naming the run's phase and step (the one the
+    watchdog publishes) and, for a memory failure, the settings that size the engine's memory."""
+    from megappo import watchdog
+
+    name, step = watchdog.current()
+    where = f"step {step}, phase {name}" if step else f"phase {name}, before the first step"
+    hint = ""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e).lower() for m in _MEMORY):
+        hint = ("; it looks like memory: lower actor_rollout_ref.rollout.gpu_memory_utilization"
+                f"{f' (now {gpu_memory_utilization})' if gpu_memory_utilization is not None else ''}, or "
+                "rollout.max_num_seqs / max_num_batched_tokens, or offload the trainer's state during generation "
+                "(actor_rollout_ref.actor.megatron.param_offload, optimizer_offload) so the engine has more of the device")
+    return RolloutEngineError(f"{where}: the rollout engine failed in {what}: {type(e).__name__}: {e}{hint}")
+
+
+def _named_failures(what: str):
+    """Method decorator: an engine failure becomes a :class:`RolloutEngineError` (see :func:`engine_failure`)."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except RolloutEngineError:
+                raise
+            except Exception as e:
+                raise engine_failure(what, e, getattr(self, "gpu_memory_utilization", None)) from e
+        return call
+    return wrap
+
+
 class VLLMRollout:
     """A vLLM engine holding exactly the actor's weights, generating token ids with log-probs."""
 
@@ -103,6 +143,7 @@ class VLLMRollout:
                  pad_token_id: Optional[int] = None, load_format: str = "dummy",
                  external_launcher: Optional[bool] = None):
         self.device = device
+        self.gpu_memory_utilization = gpu_memory_utilization   # named in a memory failure's hint
         self.model_path = os.path.expanduser(model_path)
         self.free_cache_engine = free_cache_engine and device == "cuda"
         self._sleeping = False
@@ -168,6 +209,7 @@ class VLLMRollout:
             ignore_eos=s.ignore_eos, stop_token_ids=[] if s.ignore_eos else list(self.eos_token_ids),
             logprobs=0 if logprobs else None, seed=s.seed, detokenize=False)
 
+    @_named_failures("generate")
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutOutput:
         """Generate ``sampling.n`` responses per prompt; see :class:`RolloutOutput`."""
         if self.weights_version == 0:
@@ -215,6 +257,7 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     # -- weights ----------------------------------------------------------------------------
+    @_named_failures("a weight sync")
     def sync_weights(self, named_tensors: Iterable, bucket_bytes: int = 64 << 20) -> dict:
         """Load the actor's weights into the running engine in place, in whole-layer buckets;
         then reset the prefix cache. Items: HF-named full tensors as ``(name, tensor)`` pairs,
@@ -318,6 +361,7 @@ class VLLMRollout:
         """Whether the engine dropped its weights (GPU sleep): the next sync reloads them."""
         return self._sleeping
 
+    @_named_failures("its wake-up")
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         if not self._sleeping:
             return

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megappo import algo
+from megappo import algo, watchdog
 from megappo.batch import RolloutBatch
 from megappo.config import PPOConfig, to_dict
 from megappo.layout import parallel_layout
@@ -106,6 +106,7 @@ class PPOTrainer:
         from megappo.rollout import SamplingConfig
 
         cfg, t, step, check = self.cfg, self.timer, self.step_no + 1, self.check
+        watchdog.set_step(step)
         with t("step"):
             sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
             # rollout and reward: the step's global batch, on every rank
@@ -225,4 +226,5 @@ class PPOTrainer:
         if self.split:
             self.engine.stop()
         self.logger.close()
+        watchdog.stop()   # the others may still be tearing down: this rank's silence is no fault now
         return history

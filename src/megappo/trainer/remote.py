@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from megappo import watchdog
 from megappo.distributed import split
 from megappo.rollout import RolloutOutput, SamplingConfig
 
@@ -93,25 +94,36 @@ def serve(cfg, groups) -> None:
     """The rollout ranks' program: one engine per rank (replicas of rollout TP ranks over the
     rollout group), commands executed until STOP."""
     from megappo import builders
-    from megappo.rollout import generate_replicated
 
     engine = builders.build_engine(cfg)
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    version = None
-    while True:
-        op, obj = split.receive_command(groups)
-        if op == WEIGHTS:
-            version, buckets = split.receive_weights(groups, expected_version=obj)
-            engine.sync_weights(p for b in buckets for p in b)
-        elif op == GENERATE:
-            out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
-            if groups.bridge_rank == 1:
-                split.send_object(groups, out)
-        elif op == RESET_PREFIX_CACHE:
-            engine.reset_prefix_cache()
-        elif op == STOP:
-            split.close_bridge(groups)
-            engine.shutdown()
-            return
-        else:
-            raise RuntimeError(f"rollout rank {groups.global_rank}: unknown command {op} (weights version {version})")
+    op = None
+    while op != STOP:
+        with watchdog.phase("rollout_wait"):   # a silent rollout rank is named with what it was doing
+            op, obj = split.receive_command(groups)
+        with watchdog.phase(_PHASES.get(op, "rollout_command")):
+            _serve_one(op, obj, engine, groups, rtp)
+
+
+_PHASES = {WEIGHTS: "rollout_weights", GENERATE: "rollout_generate"}
+
+
+def _serve_one(op, obj, engine, groups, rtp) -> None:
+    from megappo.rollout import generate_replicated
+
+    if op == WEIGHTS:
+        _, buckets = split.receive_weights(groups, expected_version=obj)
+        engine.sync_weights(p for b in buckets for p in b)
+    elif op == GENERATE:
+        out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
+        if groups.bridge_rank == 1:
+            split.send_object(groups, out)
+    elif op == RESET_PREFIX_CACHE:
+        engine.reset_prefix_cache()
+    elif op == STOP:
+        watchdog.stop()
+        split.close_bridge(groups)
+        engine.shutdown()
+    else:
+        raise RuntimeError(f"rollout rank {groups.global_rank}: unknown command {op} "
+                           f"(weights version {groups.weights_version_received})")

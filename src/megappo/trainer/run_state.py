@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from megappo import rng
+from megappo import rng, watchdog
 
 __all__ = ["checkpointed_workers", "save", "resume", "Resumed"]
 
@@ -28,6 +28,8 @@ def checkpointed_workers(actor, critic) -> dict:
     return workers
 
 
+# a checkpoint's write or load may hold the interpreter for minutes (pickling, hashing shards)
+@watchdog.in_phase("save_checkpoint", watchdog.SLOW)
 def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, inflight) -> str:
     """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically."""
     from megappo.checkpoint import save_checkpoint
@@ -60,6 +62,7 @@ def _inflight_from(plain: Optional[dict]):
     return plain["indices"], RolloutOutput(**plain["output"]), plain["version"]
 
 
+@watchdog.in_phase("load_checkpoint", watchdog.SLOW)
 def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: bool) -> Resumed:
     """Load the checkpoint ``trainer.resume_mode`` asks for (``workers_fn()``: the workers to
     load into); a run that died before its first checkpoint starts over (its metric lines dropped)."""

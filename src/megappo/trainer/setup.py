@@ -36,12 +36,15 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
         groups = split.init_split(train_ranks_of(tr.nnodes, tr.n_gpus_per_node, ro.nnodes, ro.n_gpus_per_node),
                                   backend, timeout)
         split.set_current(groups)
+        _start_watchdog(cfg, groups.global_rank, groups.global_world)
         if groups.role == "rollout":
             return process_device(cfg.trainer.device)
-    elif not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timeout)
+    else:
+        if not dist.is_initialized():
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timeout)
+        _start_watchdog(cfg, dist.get_rank(), dist.get_world_size())
     from megappo.models import initialize_parallel
 
     m = cfg.actor_rollout_ref.actor.megatron
@@ -49,6 +52,13 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
                         m.virtual_pipeline_model_parallel_size, seed=m.seed, ep=m.expert_model_parallel_size,
                         etp=m.expert_tensor_parallel_size or 1)
     return process_device(cfg.trainer.device)
+
+
+def _start_watchdog(cfg: PPOConfig, rank: int, world: int) -> None:
+    from megappo import watchdog
+
+    tr = cfg.trainer
+    watchdog.start(rank, world, tr.watchdog_silence_s, tr.watchdog_slow_phase_s)
 
 
 def set_library_log_level(level: str) -> None:
