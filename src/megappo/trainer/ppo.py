@@ -15,6 +15,7 @@ from megappo import algo, watchdog
 from megappo.batch import RolloutBatch
 from megappo.config import PPOConfig, to_dict
 from megappo.layout import parallel_layout
+from megappo.rollout import SamplingConfig
 
 from . import phases, run_state
 from .generation import Generation
@@ -103,8 +104,6 @@ class PPOTrainer:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, log: bool = True) -> dict:
-        from megappo.rollout import SamplingConfig
-
         cfg, t, step, check = self.cfg, self.timer, self.step_no + 1, self.check
         watchdog.set_step(step)
         with t("step"):
