@@ -412,3 +412,33 @@ def test_errors_convert_from_hf(ckpts, tmp_path, capsys):
     _assert_error(*_err(capsys, main, "--hf", ckpts["hf"] / "qwen3", "--out", out, "--pp", "3"),
                   "qwen3", "divisible by pipeline_model_parallel_size")
     assert not out.exists()
+
+
+def test_load_model_weights_refuses_a_checkpoint_of_another_shape(ckpts, tmp_path):
+    """The converters' weight loader checks names and shapes before loading (the trainer's start
+    reader does the work): a model one size off gets a ConvertError naming the tensor, not a
+    partly loaded model."""
+    from megatron.core import parallel_state as ps
+
+    from megappo import megatron_cpu
+    from megappo.convert.megatron_ckpt import ConvertError, load_model_weights, single_process_group
+    from megappo.models import build_model, describe, initialize_parallel, load_hf_config, transformer_config
+
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((ckpts["hf"] / "qwen3" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 384}))
+    megatron_cpu.install()
+    with single_process_group():
+        initialize_parallel(1, 1)
+        try:
+            info = describe(load_hf_config(str(other)), tp=1)
+            chunks = build_model(info, transformer_config(info, tp=1, pp=1, cpu=True), use_te=False)
+            before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+            named = r"linear_fc[12]\.weight is \(4, \d+, \d+\) in the checkpoint, the model has"
+            with pytest.raises(ConvertError, match=named) as e:
+                load_model_weights(chunks, str(ckpts["runs"] / "tp2pp2" / "global_step_1" / "actor"))
+            assert "does not match the model" in str(e.value) and "384" in str(e.value), e.value
+            assert all(torch.equal(p, before[n]) for n, p in chunks[0].named_parameters()), "loaded in part"
+        finally:
+            ps.destroy_model_parallel()

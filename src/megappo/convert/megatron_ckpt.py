@@ -344,18 +344,16 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
 def load_model_weights(chunks, path: str) -> None:
     """Load a checkpoint's model weights (a trainer checkpoint's ``actor``/``critic`` folder, or
     one written by convert_from_hf) into model chunks built at any TP/PP; optimizer state, if
-    any, is left alone. Collective over the model's ranks, like megatron's load."""
-    from megatron.core import dist_checkpointing
+    any, is left alone. Collective over the model's ranks, like megatron's load. The trainer's
+    start-from-checkpoint reader does the work, so a checkpoint that does not match the model
+    (a missing tensor, another shape, tensors the model lacks) is refused by name here too."""
+    from megappo.checkpoint import CheckpointError, load_start_weights
 
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    request = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
     with quiet_warnings():
         try:
-            state = dist_checkpointing.load(request, path)
-        except Exception as e:
-            raise ConvertError(f"{path}: cannot load the model weights: {_one_line(e)}") from e
-    for k, c in zip(keys, chunks):
-        c.load_state_dict(state[k], strict=False)
+            load_start_weights(chunks, path)
+        except CheckpointError as e:
+            raise ConvertError(" ".join(str(e).split())) from e   # it names the path already
 
 
 # -- small helpers -------------------------------------------------------------------------------
