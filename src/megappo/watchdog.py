@@ -15,8 +15,16 @@ and the Ray launcher turn into the end of the job. Silence is measured on the wa
 
 The main thread only sets a module variable on entering a phase (:func:`phase`, which
 :class:`megappo.metrics.Timer` calls for every timed phase) and wakes the thread to publish it:
-nothing on the hot path touches the store. What a thread cannot see: a rank whose main thread is
-blocked (a deadlocked collective, a hung reward or tool call) still beats; that is left to
+nothing on the hot path touches the store.
+
+A rank whose main thread is blocked (a deadlocked collective, a hung reward or tool call) still
+beats. So each beat also carries how long the main thread has been *blocked*: its innermost
+Python frame has not moved and it has used no CPU time (read from /proc) since then. Rank 0 ends
+the job when every live rank has been blocked for the silence (the slow allowance while any rank
+is in a slow phase or still starting): nobody is computing, so nobody will. The message lists
+the ranks by phase, the odd one out first -- the rank in ``reward`` while the others wait in a
+collective is the one to look at. Not caught this way: a rank spinning in Python (its frames
+move), or one waiting on a GPU with a spinning synchronisation (it uses CPU time); those end at
 ``trainer.dist_timeout_s``."""
 from __future__ import annotations
 
@@ -81,7 +89,7 @@ class Watchdog:
 
     def __init__(self, connect: Callable, rank: int, world: int, silence: float, slow: float,
                  interval: Optional[float] = None, end: Optional[Callable[[str], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, activity: Optional[Callable[[], tuple]] = None):
         self.connect, self.rank, self.world, self.silence = connect, rank, world, silence
         self.slow = max(slow, silence)   # an allowance, never less than the plain silence
         self.interval = interval or max(0.5, min(5.0, silence / 4))
@@ -91,13 +99,25 @@ class Watchdog:
         self.watched = list(range(world)) if rank == 0 else [0]
         self.seen: dict[int, tuple] = {}      # rank -> (value, when it last changed, on our clock)
         self.store, self.store_ok, self.last_loop = None, clock(), None
+        self.activity = activity or main_thread_activity(threading.main_thread())
+        self.last_activity, self.blocked_since = None, clock()
         self.done, self.wake = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._loop, name="megappo-watchdog", daemon=True)
         self.guard = threading.Thread(target=self._guard, name="megappo-watchdog-guard", daemon=True)
 
-    def beat_value(self) -> str:
+    def beat_value(self, blocked: float = 0.0) -> str:
         name, step, allowance = _now
-        return f"{self.beats}|{name}|{step}|{'slow' if allowance == SLOW else ''}|{self.host}|{self.pid}"
+        return (f"{self.beats}|{name}|{step}|{'slow' if allowance == SLOW else ''}|{self.host}|{self.pid}"
+                f"|{blocked:.0f}")
+
+    def blocked_for(self, now: float) -> float:
+        """Seconds the main thread has not moved (same frame and instruction) nor used CPU time."""
+        act = self.activity()
+        last = self.last_activity
+        if act is None or last is None or act[0] != last[0] or act[1] - last[1] > _CPU_EPS:
+            self.blocked_since = now
+        self.last_activity = act
+        return now - self.blocked_since
 
     def tick(self) -> None:
         """One round: publish this rank's beat, read the watched ones, end the job on a silence."""
@@ -107,13 +127,13 @@ class Watchdog:
         if self.last_loop is not None and now - self.last_loop > 3 * self.interval + 1:
             # this thread itself was held (a slow phase here): what it saw is stale, judge afresh
             self.seen = {r: (v, now) for r, (v, _) in self.seen.items()}
-            self.store_ok = now
+            self.store_ok = self.blocked_since = now
         self.last_loop = now
         try:
             if self.store is None:
                 self.store = self.connect()
             self.beats += 1
-            self.store.set(f"{self.prefix}{self.rank}", self.beat_value())
+            self.store.set(f"{self.prefix}{self.rank}", self.beat_value(self.blocked_for(now)))
             self._read(now)
             self.store_ok = now
         except Exception as e:   # a store that stopped answering: its host is stopped or gone
@@ -159,6 +179,28 @@ class Watchdog:
             if now - since > limit:
                 self._fire(f"megappo: {self.describe(r, value)}, silent for {now - since:.0f} s; ending the job")
                 return
+        if self.rank == 0:
+            self._judge_blocked(now)
+
+    def _judge_blocked(self, now: float) -> None:
+        """Every rank alive (its beat fresh) and blocked for the limit: a deadlock or a hung call."""
+        if len(self.seen) < self.world - 1 or self._finished():
+            return
+        fresh = 3 * self.interval + 1
+        beats = {0: self.beat_value(now - self.blocked_since)}
+        beats.update({r: v for r, (v, since) in self.seen.items() if now - since <= fresh})
+        if len(beats) < self.world:
+            return   # a silent rank is the silence rule's to name
+        parts = {r: v.split("|") for r, v in beats.items()}
+        if any(len(p) < 7 for p in parts.values()):
+            return
+        slow = any(p[3] == "slow" or p[1] == "start" for p in parts.values())
+        limit = self.slow if slow else self.silence
+        # each beat says how long its rank had been blocked when written (up to an interval ago)
+        least = min(float(p[6]) for p in parts.values())
+        if least > limit:
+            self._fire(f"megappo: every rank has been blocked for {least:.0f} s or more (no rank is computing: "
+                       f"a deadlocked collective or a hung call): {_by_phase(parts)}; ending the job")
 
     def _fire(self, message: str) -> None:
         self.done.set()   # one verdict (a test's end() returns; the process's never does)
@@ -194,6 +236,42 @@ class Watchdog:
             (self.store or self.connect()).set(f"{self.prefix}{self.rank}", f"done|{self.beat_value()}")
         except Exception:
             pass
+
+
+_CPU_EPS = 0.05   # CPU seconds between two beats that count as work (a blocked wait uses ~none)
+
+
+def main_thread_activity(thread: threading.Thread) -> Callable[[], Optional[tuple]]:
+    """A sampler of ``thread``'s activity: (its innermost frame and instruction, its CPU seconds).
+    None when it cannot be read (then the rank never counts as blocked)."""
+    stat = f"/proc/self/task/{thread.native_id}/stat"
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def sample() -> Optional[tuple]:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is None:
+            return None
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick   # utime + stime, fields 14 and 15
+        except (OSError, IndexError, ValueError):
+            return None
+        return (id(frame.f_code), frame.f_lasti, frame.f_lineno), cpu
+    return sample
+
+
+def _by_phase(parts: dict) -> str:
+    """Ranks grouped by (phase, step), the smallest group first: the odd one out leads."""
+    groups: dict[tuple, list] = {}
+    for r, p in sorted(parts.items()):
+        groups.setdefault((p[1], p[2]), []).append(r)
+    out = []
+    for (name, step), ranks in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0])):
+        who = (", ".join(f"rank {r} (host {parts[r][4]}, pid {parts[r][5]})" for r in ranks) if len(ranks) == 1
+               else f"ranks {', '.join(map(str, ranks))}")
+        out.append(f"{who} in phase {name} of step {step}")
+    return "; ".join(out)
 
 
 def _end_process(message: str) -> None:

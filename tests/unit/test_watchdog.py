@@ -35,12 +35,18 @@ class World:
 
     def __init__(self, n=3, silence=20, slow=100):
         self.t, self.store, self.ended = 0.0, FakeStore(), []
+        self.blocked, self.moves = set(), 0   # ranks whose main thread stands still
 
         def connect():
             self.store._up()
             return self.store
+
+        def activity(r):
+            self.moves += 1   # a working main thread: another frame position, or CPU time used
+            return (("wait", 0), 1.0) if r in self.blocked else (("work", self.moves), 1.0)
         self.dogs = [Watchdog(connect, r, n, silence, slow, interval=5, clock=lambda: self.t,
-                              end=lambda m, r=r: self.ended.append((r, m))) for r in range(n)]
+                              end=lambda m, r=r: self.ended.append((r, m)), activity=lambda r=r: activity(r))
+                     for r in range(n)]
 
     def run(self, seconds, ranks=None, step=5):
         for _ in range(int(seconds / step)):
@@ -134,6 +140,85 @@ def test_a_watcher_held_itself_judges_afresh():
     assert w.ended == []   # the others' beats did not move, but nor could rank 0 see them move
     w.run(10)
     assert w.ended == []
+
+
+def _until_ended(w, seconds, phases=None):
+    """Rounds of 5 s (ranks 0, 2, 1 in ``phases[rank]``) until a verdict: the seconds it took."""
+    start = w.t
+    while not w.ended and w.t - start < seconds:
+        w.t += 5
+        for r in (0, 2, 1):
+            with watchdog.phase((phases or {}).get(r, "update_actor")):
+                w.dogs[r].tick()
+    return w.t - start
+
+
+def test_every_rank_blocked_ends_the_job_naming_the_odd_one_out_first():
+    """Rank 1 hangs in the reward function; ranks 0 and 2 wait for it in a collective. All beat."""
+    w = World()
+    w.run(10)
+    watchdog.set_step(7)
+    w.blocked = {0, 1, 2}
+    took = _until_ended(w, 200, {1: "reward"})
+    assert 20 < took <= 20 + 3 * 5, took   # the silence, plus up to the beats' age
+    assert [r for r, _ in w.ended] == [0], w.ended
+    d1, msg = w.dogs[1], w.ended[0][1]
+    assert msg.startswith("megappo: every rank has been blocked for 2"), msg
+    assert msg.endswith(f"s or more (no rank is computing: a deadlocked collective or a hung call): rank 1 (host "
+                        f"{d1.host}, pid {d1.pid}) in phase reward of step 7; ranks 0, 2 in phase update_actor of "
+                        f"step 7; ending the job"), msg
+
+
+@pytest.mark.parametrize("phase", ["update_actor", "start"])
+def test_one_rank_computing_keeps_the_others_waiting_as_long_as_it_takes(phase):
+    """The limit is the silence, or the slow allowance while the job is still starting."""
+    w = World()
+    phases = dict.fromkeys(range(3), phase)
+    w.run(10)
+    w.blocked = {0, 2}   # waiting for rank 1, which works (a long reward function, a big forward)
+    assert _until_ended(w, 500, phases) == 500 and w.ended == []
+    w.blocked = {0, 1, 2}   # now it stops working too
+    limit = 100 if phase == "start" else 20
+    assert limit < _until_ended(w, 500, phases) <= limit + 15
+    assert [r for r, _ in w.ended] == [0] and "every rank has been blocked" in w.ended[0][1]
+
+
+def test_blocked_in_a_slow_phase_gets_the_slow_allowance_and_a_silent_rank_is_named_as_silent():
+    w = World()
+    w.run(10)
+    w.blocked = {0, 1, 2}
+    with watchdog.phase("save_checkpoint", SLOW):
+        took = _until_ended(w, 500, dict.fromkeys(range(3), "save_checkpoint"))
+    assert 100 < took <= 115, took
+    w = World()
+    w.run(10)
+    w.blocked = {0, 1, 2}
+    with watchdog.phase("update_actor"):
+        w.run(30, ranks={0, 1})   # rank 2 silent (stopped), the others blocked on it: the silence names it
+    assert len(w.ended) == 1 and w.ended[0][1].startswith("megappo: rank 2 (host"), w.ended
+
+
+def test_the_main_thread_sampler_tells_a_blocked_thread_from_a_working_one():
+    import threading
+    import time
+
+    from megappo.watchdog import main_thread_activity
+
+    go, stop = threading.Event(), threading.Event()
+    waiter = threading.Thread(target=go.wait)
+    worker = threading.Thread(target=lambda: [sum(range(1000)) for _ in iter(stop.is_set, True)])
+    waiter.start(), worker.start()
+    try:
+        time.sleep(0.2)
+        wait, work = main_thread_activity(waiter), main_thread_activity(worker)
+        w0, k0 = wait(), work()
+        time.sleep(0.5)
+        w1, k1 = wait(), work()
+        assert w0 == w1   # same frame and instruction, no CPU time: blocked
+        assert k0 != k1 and k1[1] - k0[1] > 0.05   # CPU time used: working
+    finally:
+        go.set(), stop.set()
+        waiter.join(), worker.join()
 
 
 def test_phases_nest_and_the_step_carries_through():

@@ -342,7 +342,7 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "The same count (verl's critic key); when both are set they must be equal.")
     log_level: Literal["debug", "info", "warning", "error"] = _f("warning", "Level of vLLM's and megatron-core's loggers; at warning their per-step INFO lines (weight reloads, cache resets) are hidden and the console shows one line per step.")
     dist_timeout_s: int = _f(1800, "Seconds a rank waits in start-up or in a collective before failing (a dead or hung peer).")
-    watchdog_silence_s: int = _f(300, "Seconds a rank's heartbeat may stay silent (a stopped or frozen process, a lost node) before a watchdog on another rank ends the job, naming the silent rank, its host and the phase and step it was last in; 0 disables. Each rank beats from a thread, so a rank blocked in a collective or a slow call still beats: that case is left to trainer.dist_timeout_s.")
+    watchdog_silence_s: int = _f(300, "Seconds a rank's heartbeat may stay silent (a stopped or frozen process, a lost node) before a watchdog on another rank ends the job, naming the silent rank, its host and the phase and step it was last in; 0 disables. The same limit ends the job when every rank's main thread has been blocked (no frame moved, no CPU time used) for that long: a deadlocked collective or a hung call.")
     watchdog_slow_phase_s: int = _f(1800, "The silence allowed instead of trainer.watchdog_silence_s (the larger of the two) while a rank is in a phase that may hold its interpreter for long: the rollout engine's start, a checkpoint's write or load.")
 
 
