@@ -1,0 +1,13 @@
+"""Tools for multi-turn rollouts (verl's tool interface and tool config files).
+
+- :class:`Tool`: the base class a user's tool implements (``create``, ``execute``, ``calc_reward``,
+  ``release``, its OpenAI function schema); :func:`function_tool` makes a plain function a tool.
+- :func:`read_tool_config` / :func:`load_tools`: verl's tool config YAML and function-tool files.
+
+Importing this package imports neither torch nor vLLM.
+"""
+from .base import FunctionTool, Tool, function_schema, function_tool, normalise_result, schema_from_function
+from .registry import ToolConfigError, ToolSpec, load_tools, read_tool_config, tools_from_config, tools_from_file
+
+__all__ = ["FunctionTool", "Tool", "function_schema", "function_tool", "normalise_result", "schema_from_function",
+           "ToolConfigError", "ToolSpec", "load_tools", "read_tool_config", "tools_from_config", "tools_from_file"]
