@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import json
 import re
+import types
 import typing
 import uuid
 from typing import Any, Callable, Optional
@@ -88,20 +89,20 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
 
 
 def _json_type(hint: Any, where: str) -> dict:
-    origin = typing.get_origin(hint)
+    """JSON schema of a type hint, as transformers' get_json_schema (verl's schema builder) writes it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint in _JSON_TYPES:
         return {"type": _JSON_TYPES[hint]}
     if origin in (list, tuple):
-        return {"type": "array"}
+        return {"type": "array", **({"items": _json_type(args[0], where)} if origin is list and args else {})}
     if origin is dict:
         return {"type": "object"}
     if origin is typing.Literal:
-        values = list(typing.get_args(hint))
-        return {"type": _JSON_TYPES.get(type(values[0]), "string"), "enum": values}
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        types = [_json_type(a, where)["type"] for a in args]
-        return {"type": types[0] if len(types) == 1 else types}
+        return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        inner = [_json_type(a, where) for a in args if a is not type(None)]
+        out = inner[0] if len(inner) == 1 else {"type": [t["type"] for t in inner]}
+        return {**out, "nullable": True} if type(None) in args else out
     raise TypeError(f"{where}: type hint {hint!r} has no JSON schema type (use str, int, float, bool, list, dict, "
                     f"Literal or Optional of these)")
 
