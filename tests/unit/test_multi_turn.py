@@ -1,0 +1,164 @@
+"""Token-exact multi-turn generation over a scripted engine: masks exactly on tool tokens, each
+turn continuing from the previous token ids, the stop rules."""
+import pytest
+
+from megappo.rollout import MultiTurnSample, ToolTurnTokens, multi_turn_generate
+from megappo.tools import Calculator, ToolRunner
+
+# Qwen2.5's chat template, its plain-message and tool-response parts (tool calls written by the
+# model stay in the assistant content, as the model emitted them)
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIALS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+            "<tool_response>", "</tool_response>"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A character-level HF tokenizer (newlines are tokens, as in Qwen's) with Qwen's tool template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+        vocab.setdefault(c, len(vocab))
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<pad>",
+                                   additional_special_tokens=SPECIALS[1:3] + SPECIALS[4:])
+    fast.chat_template = QWEN_TEMPLATE
+    return fast
+
+
+def enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def render(tok, messages, gen=False):
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"])
+
+
+class ScriptedEngine:
+    """Answers sample j's k-th turn with script[j][k] + EOS; log-prob of token t is -(t % 7) / 10 - k.
+    Records what it was asked, to check each turn continues the previous token ids."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls, self.turn = tok, script, [], {}
+
+    def generate(self, prompts, max_tokens):
+        self.calls.append((prompts, max_tokens))
+        out = []
+        for p, m in zip(prompts, max_tokens):
+            j = next(j for j, s in enumerate(self.script) if p[:len(self.prompt_ids[j])] == self.prompt_ids[j])
+            k = self.turn.get(j, 0)
+            self.turn[j] = k + 1
+            ids = (enc(self.tok, self.script[j][k]) + [self.tok.eos_token_id])[:m]
+            out.append((ids, [-(t % 7) / 10 - k for t in ids]))
+        return out
+
+
+def call(expr):
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
+
+
+def run(tok, script, questions, budget=400, **kw):
+    prompts = [render(tok, [{"role": "user", "content": q}], gen=True) for q in questions]
+    engine = ScriptedEngine(tok, script)
+    engine.prompt_ids = prompts
+    runner = ToolRunner({"calculator": Calculator()}, max_parallel_calls=2)
+    samples, metrics = multi_turn_generate(engine, prompts, runner=runner, decode=tok.decode,
+                                           tool_turn=ToolTurnTokens(tok, [tok.eos_token_id]),
+                                           max_response_length=budget, **kw)
+    return samples, metrics, engine, prompts
+
+
+def test_sequences_equal_the_template_rendering_and_masks_sit_exactly_on_tool_tokens(tok):
+    script = [[call("12*7"), "The answer is 84."],
+              [call("2+2") + call("1/0"), call("9-1"), "Done: 4 and 8."],
+              ["No tool needed."]]
+    samples, metrics, engine, prompts = run(tok, script, ["What is 12*7?", "Add.", "Hi"])
+    results = [[["84"]], [["4", "Error: division by zero"], ["8"]], []]     # per sample, per tool turn
+    for j, s in enumerate(samples):
+        msgs = [{"role": "user", "content": ["What is 12*7?", "Add.", "Hi"][j]}]
+        for k, text in enumerate(script[j]):
+            msgs.append({"role": "assistant", "content": text})
+            msgs += [{"role": "tool", "content": r} for r in (results[j][k] if k < len(results[j]) else [])]
+        # the whole conversation as the template renders it at once, less the template's '\n' after the last EOS
+        assert s.prompt_ids + s.response_ids == render(tok, msgs)[:-1], j
+        model = [t for t, m in zip(s.response_ids, s.response_mask) if m == 1]
+        assert model == [t for text in script[j] for t in enc(tok, text) + [tok.eos_token_id]]
+        tool = [t for t, m in zip(s.response_ids, s.response_mask) if m == 0]
+        assert tool == [t for turn in results[j] for t in ToolTurnTokens(tok, [tok.eos_token_id])(turn)]
+        assert s.stop == "no_tool_call" and s.assistant_turns == len(script[j]) and s.user_turns == len(script[j]) - 1
+    # each turn's prompt is the previous prompt plus what was appended, token for token
+    assert len(engine.calls) == 3 and [len(c[0]) for c in engine.calls] == [3, 2, 1]
+    for prompts_of_call, _ in engine.calls:
+        for p in prompts_of_call:
+            assert any((s.prompt_ids + s.response_ids)[:len(p)] == p for s in samples)
+    assert metrics["tools/calls"] == 4 and "tools/errors/tool_exception" not in metrics   # 1/0 is the calculator's answer
+    assert [s.num_turns for s in samples] == [4, 6, 2]
+    assert (metrics["num_turns/min"], metrics["num_turns/max"], metrics["num_turns/mean"]) == (2, 6, 4)
+    masked = sum(len(s.response_mask) - sum(s.response_mask) for s in samples)
+    assert metrics["multi_turn/tool_token_share"] == pytest.approx(masked / sum(len(s.response_mask) for s in samples))
+
+
+def test_log_probs_are_the_engines_on_model_tokens_and_zero_on_tool_tokens(tok):
+    script = [[call("3*3"), "9"]]
+    (s,), _, _, _ = run(tok, script, ["q"])
+    model_lps = [lp for lp, m in zip(s.logprobs, s.response_mask) if m == 1]
+    model_ids = [t for t, m in zip(s.response_ids, s.response_mask) if m == 1]
+    n0 = len(enc(tok, script[0][0])) + 1
+    assert model_lps == [-(t % 7) / 10 for t in model_ids[:n0]] + [-(t % 7) / 10 - 1 for t in model_ids[n0:]]
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.response_mask) if m == 0)
+    assert len(s.logprobs) == len(s.response_ids) == len(s.response_mask)
+
+
+def test_the_tool_turn_delta_starts_with_the_templates_newline_after_eos(tok):
+    delta = ToolTurnTokens(tok, [tok.eos_token_id])(["a", "b"])
+    assert tok.decode(delta) == ("\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+                                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
+    import copy
+
+    odd = copy.deepcopy(tok)
+    odd.chat_template = ("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}[last]{% endif %}"
+                         "{{ m.content }}<|im_end|>{% endfor %}")
+    with pytest.raises(ValueError, match="no token-exact continuation"):
+        ToolTurnTokens(odd, [odd.eos_token_id])(["x"])
+
+
+@pytest.mark.parametrize("kw, stop, turns", [
+    (dict(max_assistant_turns=2), "max_assistant_turns", (2, 1)),
+    (dict(max_user_turns=1), "max_user_turns", (2, 1)),
+    (dict(budget=60), "length", None),
+])
+def test_stop_rules(tok, kw, stop, turns):
+    script = [[call("1+1"), call("2+2"), call("3+3"), "6"]]
+    (s,), metrics, _, _ = run(tok, script, ["q"], **kw)
+    assert s.stop == stop and metrics[f"multi_turn/stop/{stop}"] == 1
+    if turns:
+        assert (s.assistant_turns, s.user_turns) == turns and s.response_mask[-1] == 1
+    else:
+        assert len(s.response_ids) <= 60
+
+
+def test_a_tool_turn_that_would_pass_the_budget_is_not_appended(tok):
+    script = [[call("1+1"), "2"]]
+    first = len(enc(tok, script[0][0])) + 1
+    (s,), _, _, _ = run(tok, script, ["q"], budget=first + 10)
+    assert s.stop == "length" and s.response_mask == [1] * first and s.user_turns == 0
+
+
+def test_num_turns_counts_as_verls():
+    assert MultiTurnSample([1], assistant_turns=3, user_turns=2).num_turns == 6
