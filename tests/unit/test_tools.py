@@ -267,3 +267,46 @@ def test_function_tool_files_and_name_collisions(user_tools):
     bad.write_text("import no_such_module_here\n")
     with pytest.raises(ToolConfigError, match="importing it failed: ModuleNotFoundError"):
         tools_from_file(bad)
+
+
+def test_tools_kwargs_of_verl_rows_through_parquet(tmp_path):
+    """verl's GSM8K tool rows (examples/data_preprocess/gsm8k_multiturn_w_tool.py), written and read
+    back as parquet: rows naming different tools come back with the others as null."""
+    import pandas as pd
+
+    from megappo.tools import tools_kwargs_of
+
+    rows = [{"extra_info": {"index": 0, "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}},
+            {"extra_info": {"index": 1, "tools_kwargs": {"lookup": {"create_kwargs": {"table": "t1"}}}}},
+            {"extra_info": {"index": 2}}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "t.parquet")
+    back = pd.read_parquet(tmp_path / "t.parquet").to_dict("records")
+    assert back[0]["extra_info"]["tools_kwargs"]["lookup"] is None          # what parquet does
+    got = [tools_kwargs_of(r["extra_info"]) for r in back]
+    assert got == [{"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+                   {"lookup": {"create_kwargs": {"table": "t1"}}}, {}]
+    assert tools_kwargs_of(None) == {}
+    with pytest.raises(ToolConfigError, match=r"row 3: extra_info.tools_kwargs.calc.create_kwargs: expected a mapping"):
+        tools_kwargs_of({"tools_kwargs": {"calc": {"create_kwargs": [1]}}}, "row 3")
+    with pytest.raises(ToolConfigError, match=r"row: extra_info.tools_kwargs: expected a mapping tool"):
+        tools_kwargs_of({"tools_kwargs": "calc"})
+    with pytest.raises(ToolConfigError, match=r"extra_info.tools_kwargs.calc: expected a mapping with create_kwargs"):
+        tools_kwargs_of({"tools_kwargs": {"calc": 3}})
+
+
+def test_runner_from_the_multi_turn_settings(tmp_path):
+    from megappo.config import load_config
+    from megappo.tools import runner_from_settings
+
+    p = tmp_path / "tools.yaml"
+    p.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
+    R = "actor_rollout_ref.rollout.multi_turn."
+    cfg = load_config([f"{R}tool_config_path={p}", f"{R}max_parallel_calls=3", f"{R}max_tool_response_length=5",
+                       f"{R}tool_response_truncate_side=right"], ["tiny_cpu"])
+    r = runner_from_settings(cfg.actor_rollout_ref.rollout.multi_turn, timeout_s=7)
+    assert list(r.tools) == ["calculator"] and (r.max_parallel_calls, r.max_response_length, r.truncate_side,
+                                                r.timeout_s) == (3, 5, "right", 7)
+    from megappo.tools import ToolCall
+
+    (out,) = r.run_turn(["a"], [[ToolCall("calculator", {"expression": "123456789*10"})]])
+    assert out[0].text == "12345...(truncated)"

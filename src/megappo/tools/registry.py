@@ -22,6 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from .base import Tool
+from .runner import ToolRunner
 
 
 class ToolConfigError(ValueError):
@@ -154,3 +155,40 @@ def load_tools(tool_config_path: Optional[str] = None, function_tool_path: Optio
                                   f"must name each tool once)")
         out[t.name] = t
     return out
+
+
+def tools_kwargs_of(extra_info: Optional[dict], where: str = "row") -> dict[str, dict]:
+    """A row's ``extra_info.tools_kwargs`` (verl's ``{tool: {create_kwargs: {...}}}``), checked.
+    Entries that are null are dropped: parquet stores the rows' mappings as one struct column,
+    so a row shows every tool any row names, null where it names none."""
+    tk = (extra_info or {}).get("tools_kwargs")
+    if tk is None:
+        return {}
+    if not isinstance(tk, dict):
+        raise ToolConfigError(f"{where}: extra_info.tools_kwargs: expected a mapping tool -> {{create_kwargs: "
+                              f"{{...}}}}, got {type(tk).__name__}")
+    out = {}
+    for name, entry in tk.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise ToolConfigError(f"{where}: extra_info.tools_kwargs.{name}: expected a mapping with create_kwargs, "
+                                  f"got {type(entry).__name__}")
+        create = entry.get("create_kwargs")
+        if create is not None and not isinstance(create, dict):
+            raise ToolConfigError(f"{where}: extra_info.tools_kwargs.{name}.create_kwargs: expected a mapping of "
+                                  f"keyword arguments, got {type(create).__name__}")
+        out[name] = {k: v for k, v in entry.items() if v is not None}
+    return out
+
+
+def runner_from_settings(multi_turn: Any, *, timeout_s: float = 60.0, max_workers: int = 8,
+                         extra: tuple[Tool, ...] = ()) -> ToolRunner:
+    """The runner ``actor_rollout_ref.rollout.multi_turn`` describes: its tool files loaded, its
+    limits (``max_parallel_calls``, ``max_tool_response_length``, ``tool_response_truncate_side``)."""
+    tools = load_tools(multi_turn.tool_config_path, multi_turn.function_tool_path, extra)
+    return ToolRunner(tools, max_parallel_calls=multi_turn.max_parallel_calls,
+                      max_response_length=multi_turn.max_tool_response_length,
+                      truncate_side=multi_turn.tool_response_truncate_side, timeout_s=timeout_s,
+                      max_workers=max_workers)
+
