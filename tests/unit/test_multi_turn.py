@@ -2,8 +2,8 @@
 turn continuing from the previous token ids, the stop rules."""
 import pytest
 
-from megappo.rollout import MultiTurnSample, ToolTurnTokens, multi_turn_generate
-from megappo.tools import Calculator, ToolRunner
+from megappo.rollout import MultiTurnSample, ToolTurnTokens, loop_settings, multi_turn_generate, tool_runner
+from megappo.tools import Calculator, ToolCall, ToolRunner, parse_hermes
 
 # Qwen2.5's chat template, its plain-message and tool-response parts (tool calls written by the
 # model stay in the assistant content, as the model emitted them)
@@ -158,6 +158,32 @@ def test_a_tool_turn_that_would_pass_the_budget_is_not_appended(tok):
     first = len(enc(tok, script[0][0])) + 1
     (s,), _, _, _ = run(tok, script, ["q"], budget=first + 10)
     assert s.stop == "length" and s.response_mask == [1] * first and s.user_turns == 0
+
+
+def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
+    from megappo.config import load_config
+
+    p = tmp_path / "tools.yaml"
+    p.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
+    R = "actor_rollout_ref.rollout.multi_turn."
+    cfg = load_config([f"{R}tool_config_path={p}", f"{R}max_parallel_calls=3", f"{R}max_tool_response_length=5",
+                       f"{R}tool_response_truncate_side=right", f"{R}max_assistant_turns=4"], ["tiny_cpu"])
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    r = tool_runner(mt, timeout_s=7)
+    assert list(r.tools) == ["calculator"]
+    assert (r.max_parallel_calls, r.max_response_length, r.truncate_side, r.timeout_s) == (3, 5, "right", 7)
+    (out,) = r.run_turn(["a"], [[ToolCall("calculator", {"expression": "123456789*10"})]])
+    assert out[0].text == "12345...(truncated)"
+    assert loop_settings(mt) == dict(parse=parse_hermes, max_assistant_turns=4, max_user_turns=None)
+
+
+def test_the_trainer_refuses_multi_turn_even_without_validation():
+    from megappo import builders
+    from megappo.config import load_config
+
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
+    with pytest.raises(NotImplementedError, match="multi-turn generation is not wired into the trainer yet"):
+        builders.build_engine(cfg)
 
 
 def test_num_turns_counts_as_verls():

@@ -293,20 +293,3 @@ def test_tools_kwargs_of_verl_rows_through_parquet(tmp_path):
     with pytest.raises(ToolConfigError, match=r"extra_info.tools_kwargs.calc: expected a mapping with create_kwargs"):
         tools_kwargs_of({"tools_kwargs": {"calc": 3}})
 
-
-def test_runner_from_the_multi_turn_settings(tmp_path):
-    from megappo.config import load_config
-    from megappo.tools import runner_from_settings
-
-    p = tmp_path / "tools.yaml"
-    p.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
-    R = "actor_rollout_ref.rollout.multi_turn."
-    cfg = load_config([f"{R}tool_config_path={p}", f"{R}max_parallel_calls=3", f"{R}max_tool_response_length=5",
-                       f"{R}tool_response_truncate_side=right"], ["tiny_cpu"])
-    r = runner_from_settings(cfg.actor_rollout_ref.rollout.multi_turn, timeout_s=7)
-    assert list(r.tools) == ["calculator"] and (r.max_parallel_calls, r.max_response_length, r.truncate_side,
-                                                r.timeout_s) == (3, 5, "right", 7)
-    from megappo.tools import ToolCall
-
-    (out,) = r.run_turn(["a"], [[ToolCall("calculator", {"expression": "123456789*10"})]])
-    assert out[0].text == "12345...(truncated)"

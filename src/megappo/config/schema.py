@@ -59,7 +59,7 @@ class DataConfig:
     truncation: Truncation = _f("error", "What to do with a prompt longer than max_prompt_length that was not filtered: error | left | right | middle.")
     shuffle: bool = _f(True, "Shuffle the training prompts every epoch.")
     seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
-    return_raw_chat: bool = _f(True, "Give rollouts each prompt's chat messages unrendered (verl's key and default). Multi-turn rollouts with tools need them (the chat template is applied with the tool schemas), so multi_turn.enable requires true; single-turn rollouts and the reward model do not read them (the reward model shares the actor's tokenizer: no chat re-templating).")
+    return_raw_chat: bool = _f(True, "Keep each prompt's chat messages, unrendered, beside its token ids (verl's key and default; false saves their memory). Multi-turn rollouts with tools need them (the chat template is applied with the tool schemas), so multi_turn.enable requires true; single-turn rollouts and the reward model do not read them (the reward model shares the actor's tokenizer: no chat re-templating).")
 
 
 @dataclass

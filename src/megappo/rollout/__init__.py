@@ -7,10 +7,11 @@ Importing this package does not import vLLM; constructing :class:`VLLMRollout` d
 """
 from .engine import (RolloutEngineError, RolloutOutput, SamplingConfig, VLLMRollout, engine_failure, layer_buckets,
                      response_mask_from_ids)
-from .multi_turn import MultiTurnSample, ToolTurnTokens, TurnEngine, VLLMTurns, multi_turn_generate
+from .multi_turn import (MultiTurnSample, ToolTurnTokens, TurnEngine, VLLMTurns, loop_settings, multi_turn_generate,
+                         tool_runner)
 from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica
 
 __all__ = ["RolloutEngineError", "RolloutOutput", "SamplingConfig", "VLLMRollout", "engine_failure", "layer_buckets",
            "response_mask_from_ids",
-           "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "multi_turn_generate",
+           "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "loop_settings", "multi_turn_generate", "tool_runner",
            "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica"]

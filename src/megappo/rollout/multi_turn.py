@@ -9,11 +9,14 @@ delta), appended with mask 0; the model's tokens have mask 1. Not wired into the
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
-from megappo.tools import ToolRunner, parse_hermes
+from megappo.tools import PARSERS, Tool, ToolRunner, load_tools, parse_hermes
 
 from .engine import SamplingConfig
+
+if TYPE_CHECKING:
+    from megappo.config import MultiTurnConfig
 
 
 class TurnEngine(Protocol):
@@ -89,7 +92,26 @@ class ToolTurnTokens:
         return self._after_eos + full[n:]
 
 
-def _after_model_turn(s: MultiTurnSample, ids: list[int], budget: int, limits: tuple, decode) -> tuple[str, list]:
+def tool_runner(multi_turn: MultiTurnConfig, *, timeout_s: float = 60.0, max_workers: int = 8,
+                extra: tuple[Tool, ...] = ()) -> ToolRunner:
+    """The runner ``actor_rollout_ref.rollout.multi_turn`` describes: its tool files loaded (and
+    ``extra`` tools), its per-turn call limit and its truncation of long answers."""
+    tools = load_tools(multi_turn.tool_config_path, multi_turn.function_tool_path, extra)
+    return ToolRunner(tools, max_parallel_calls=multi_turn.max_parallel_calls,
+                      max_response_length=multi_turn.max_tool_response_length,
+                      truncate_side=multi_turn.tool_response_truncate_side, timeout_s=timeout_s,
+                      max_workers=max_workers)
+
+
+def loop_settings(multi_turn: MultiTurnConfig) -> dict:
+    """:func:`multi_turn_generate`'s keyword arguments the settings give: the parser of
+    ``format`` and the turn limits."""
+    return dict(parse=PARSERS[multi_turn.format], max_assistant_turns=multi_turn.max_assistant_turns,
+                max_user_turns=multi_turn.max_user_turns)
+
+
+def _after_model_turn(s: MultiTurnSample, ids: list[int], budget: int, limits: tuple, decode,
+                      parse) -> tuple[str, list]:
     """Why the sample stops after this model turn ('' if it goes on), and its tool calls."""
     max_assistant, max_user = limits
     if len(s.response_ids) >= budget:
@@ -98,15 +120,15 @@ def _after_model_turn(s: MultiTurnSample, ids: list[int], budget: int, limits: t
         return "max_assistant_turns", []
     if max_user and s.user_turns >= max_user:
         return "max_user_turns", []
-    calls = parse_hermes(decode(ids))[1]
+    calls = parse(decode(ids))[1]
     return ("", calls) if calls else ("no_tool_call", [])
 
 
 def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner: ToolRunner,
                         decode: Callable[[list[int]], str], tool_turn: Callable[[list[str]], list[int]],
                         max_response_length: int, max_assistant_turns: Optional[int] = None,
-                        max_user_turns: Optional[int] = None,
-                        tools_kwargs: Optional[list[dict]] = None) -> tuple[list[MultiTurnSample], dict]:
+                        max_user_turns: Optional[int] = None, tools_kwargs: Optional[list[dict]] = None,
+                        parse: Callable[[str], tuple] = parse_hermes) -> tuple[list[MultiTurnSample], dict]:
     """Generate every prompt's conversation: model turn, tool calls (hermes), tool turn, ... until
     the model calls no tool, a turn limit is reached or ``max_response_length`` tokens after the
     prompt are used (a tool turn that would reach it is not appended, as in verl). Returns the
@@ -127,7 +149,7 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
             s.logprobs += [float(x) for x in lps]
             s.assistant_turns += 1
             s.stop, calls = _after_model_turn(s, ids, max_response_length, (max_assistant_turns, max_user_turns),
-                                              decode)
+                                              decode, parse)
             if not s.stop:
                 callers.append((i, calls))
         results = runner.run_turn([i for i, _ in callers], [c for _, c in callers], [kwargs[i] for i, _ in callers])

@@ -11,7 +11,6 @@
   see its module for exactly what is isolated). In a tool config: ``megappo.tools.Calculator``,
   ``megappo.tools.PythonSandbox``.
 - :func:`read_tool_config` / :func:`load_tools`: verl's tool config YAML and function-tool files;
-  :func:`runner_from_settings` builds the runner ``rollout.multi_turn`` describes, and
   :func:`tools_kwargs_of` reads a row's ``extra_info.tools_kwargs``.
 
 Importing this package imports neither torch nor vLLM.
@@ -19,16 +18,18 @@ Importing this package imports neither torch nor vLLM.
 from .base import FunctionTool, Tool, function_schema, function_tool, normalise_result, schema_from_function
 from .calculator import Calculator, CalculatorError, calculate
 from .parser import (ERROR_KINDS, INVALID_ARGUMENTS, MALFORMED_CALL, MALFORMED_JSON, TIMEOUT, TOO_MANY_CALLS,
-                     TOOL_EXCEPTION, UNCLOSED, UNKNOWN_TOOL, ToolCall, check_arguments, check_call, parse_hermes)
+                     TOOL_EXCEPTION, UNCLOSED, UNKNOWN_TOOL, PARSERS, ToolCall, check_arguments, check_call,
+                     parse_hermes)
 from .runner import TRUNCATE_SIDES, ToolResult, ToolRunner, truncate
-from .registry import (ToolConfigError, ToolSpec, load_tools, read_tool_config, runner_from_settings, tools_from_config,
+from .registry import (ToolConfigError, ToolSpec, load_tools, read_tool_config, tools_from_config,
                        tools_from_file, tools_kwargs_of)
 from .sandbox import PythonSandbox
 
 __all__ = ["FunctionTool", "Tool", "function_schema", "function_tool", "normalise_result", "schema_from_function",
            "ERROR_KINDS", "INVALID_ARGUMENTS", "MALFORMED_CALL", "MALFORMED_JSON", "TIMEOUT", "TOO_MANY_CALLS",
-           "TOOL_EXCEPTION", "UNCLOSED", "UNKNOWN_TOOL", "ToolCall", "check_arguments", "check_call", "parse_hermes",
+           "TOOL_EXCEPTION", "UNCLOSED", "UNKNOWN_TOOL", "PARSERS", "ToolCall", "check_arguments", "check_call",
+           "parse_hermes",
            "TRUNCATE_SIDES", "ToolResult", "ToolRunner", "truncate",
            "Calculator", "CalculatorError", "calculate", "PythonSandbox",
-           "ToolConfigError", "ToolSpec", "load_tools", "read_tool_config", "runner_from_settings", "tools_from_config",
+           "ToolConfigError", "ToolSpec", "load_tools", "read_tool_config", "tools_from_config",
            "tools_from_file", "tools_kwargs_of"]

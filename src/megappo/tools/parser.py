@@ -74,6 +74,9 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return content, calls
 
 
+# multi_turn.format -> the parser of that format
+PARSERS = {"hermes": parse_hermes}
+
 _TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
           "object": (dict,), "null": (type(None),)}
 

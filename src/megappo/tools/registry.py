@@ -22,7 +22,6 @@ from typing import Any, Optional
 import yaml
 
 from .base import Tool
-from .runner import ToolRunner
 
 
 class ToolConfigError(ValueError):
@@ -47,7 +46,8 @@ def _check_schema(schema: Any, where: str) -> dict:
         raise ToolConfigError(f"{where}.tool_schema.function.name: expected the tool's name (a string), got "
                               f"{fn.get('name')!r}")
     params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
+    if (not isinstance(params, dict) or params.get("type") != "object"
+            or not isinstance(params.get("properties", {}), dict)):
         raise ToolConfigError(f"{where}.tool_schema.function.parameters: expected {{type: object, properties: "
                               f"{{...}}, required: [...]}}, got {params!r}")
     required = params.get("required", [])
@@ -180,15 +180,4 @@ def tools_kwargs_of(extra_info: Optional[dict], where: str = "row") -> dict[str,
                                   f"keyword arguments, got {type(create).__name__}")
         out[name] = {k: v for k, v in entry.items() if v is not None}
     return out
-
-
-def runner_from_settings(multi_turn: Any, *, timeout_s: float = 60.0, max_workers: int = 8,
-                         extra: tuple[Tool, ...] = ()) -> ToolRunner:
-    """The runner ``actor_rollout_ref.rollout.multi_turn`` describes: its tool files loaded, its
-    limits (``max_parallel_calls``, ``max_tool_response_length``, ``tool_response_truncate_side``)."""
-    tools = load_tools(multi_turn.tool_config_path, multi_turn.function_tool_path, extra)
-    return ToolRunner(tools, max_parallel_calls=multi_turn.max_parallel_calls,
-                      max_response_length=multi_turn.max_tool_response_length,
-                      truncate_side=multi_turn.tool_response_truncate_side, timeout_s=timeout_s,
-                      max_workers=max_workers)
 

@@ -172,7 +172,9 @@ def _interpreter() -> dict:
 
 
 def _user_task_count() -> int:
-    return len([t for p in _tasks_of(os.getuid()) for t in os.listdir(f"/proc/{p}/task")]) if os.path.isdir("/proc") else 0
+    if not os.path.isdir("/proc"):
+        return 0
+    return len([t for p in _tasks_of(os.getuid()) for t in os.listdir(f"/proc/{p}/task")])
 
 
 class PythonSandbox(Tool):
@@ -216,7 +218,8 @@ class PythonSandbox(Tool):
                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                    "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
             nproc = lim["max_processes"] if root else _user_task_count() + lim["max_processes"]
-            cfg = dict(cwd=str(work), uid=uid, env=env, **_interpreter(), cpu_s=int(lim["cpu_s"]), mem=int(lim["memory_mb"]) << 20,
+            cfg = dict(cwd=str(work), uid=uid, env=env, **_interpreter(), cpu_s=int(lim["cpu_s"]),
+                       mem=int(lim["memory_mb"]) << 20,
                        fsize=int(lim["max_output_bytes"]), nproc=int(nproc))
             return self._spawn(cfg, private, uid)
         finally:
