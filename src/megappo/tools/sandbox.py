@@ -4,7 +4,7 @@ What it enforces (tests/unit/test_tool_sandbox.py checks each on the machine it 
 
 - **CPU time**: ``RLIMIT_CPU`` per process (the kernel kills it with SIGXCPU).
 - **Memory**: ``RLIMIT_AS`` (address space) per process: a large allocation raises MemoryError.
-- **Wall clock**: the code runs in its own session; past ``wall_s`` its whole process group is
+- **Wall clock**: the code leads its own process group; past ``wall_s`` the whole group is
   killed, and (when started as root) every process left under its user id too.
 - **Processes**: ``RLIMIT_NPROC``. When started as root, each run gets a fresh unused user id
   (no file of the system belongs to it), so the limit counts only that run's processes and a
