@@ -217,3 +217,20 @@ def test_the_environment_is_minimal_and_the_directory_fresh(sandbox):
         del os.environ["MEGAPPO_SECRET_PROBE"]
     env, listing = text.splitlines()
     assert "MEGAPPO_SECRET_PROBE" not in env and "PYTHONPATH" in env and listing == "['main.py']"
+
+
+def test_sandboxes_run_concurrently_through_the_runner():
+    """Four programs from four samples at once: each its own user id and directory, in about the
+    time of one (they sleep, so two cores suffice)."""
+    import time
+
+    r = ToolRunner({"python": PythonSandbox({"wall_s": 5})}, timeout_s=20, max_workers=4)
+    code = "import os, time\ntime.sleep(1)\nprint(os.getuid(), os.listdir('.'))"
+    t0 = time.perf_counter()
+    out = r.run_turn(list(range(4)), [[ToolCall("python", {"code": code})] for _ in range(4)])
+    took = time.perf_counter() - t0
+    lines = [o[0].text.strip() for o in out]
+    assert all(line.endswith("['main.py']") for line in lines), lines
+    if os.geteuid() == 0:
+        assert len({line.split()[0] for line in lines}) == 4
+    assert took < 3.9, took                  # one after another: at least 4 s of sleep
