@@ -25,6 +25,9 @@ def build_engine(cfg: PPOConfig):
 
     arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     ro = arr.rollout
+    if ro.multi_turn.enable:    # validation refuses it too; a caller that skipped validation must not get single turns
+        raise NotImplementedError("actor_rollout_ref.rollout.multi_turn.enable=true: multi-turn generation is not "
+                                  "wired into the trainer yet (megappo.tools, megappo.rollout.multi_turn_generate)")
     engines = {"vllm": VLLMRollout}  # rollout.name (validated: vllm only today)
     try:
         return engines[ro.name](

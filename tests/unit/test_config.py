@@ -562,6 +562,19 @@ RULES = [
     (GOOD_PATHS + [A + "megatron.use_dist_checkpointing=true", A + "megatron.dist_checkpointing_path={tmp}/ckpt"],
      PATHS, A + "megatron.dist_checkpointing_path", "{tmp}/ckpt is not a megatron-core dist_checkpointing folder "
      "(no metadata.json; expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"),
+    # -- multi-turn (refused until the trainer runs it; the tool files are checked without importing them)
+    ([R + "multi_turn.enable=true"], {}, R + "multi_turn.enable",
+     "multi-turn generation is not wired into the trainer yet (set it false); the tool layer"),
+    ([R + "multi_turn.enable=true", "data.return_raw_chat=false"], {}, "data.return_raw_chat",
+     "must be true with multi_turn.enable"),
+    ([R + "multi_turn.tool_config_path={tmp}/nope.yaml"], {}, R + "multi_turn.tool_config_path",
+     "file not found: {tmp}/nope.yaml"),
+    ([R + "multi_turn.tool_config_path={tmp}/tools_bad.yaml"], {}, R + "multi_turn.tool_config_path",
+     "{tmp}/tools_bad.yaml: tools[0].class_name: expected a dotted path pkg.module.Class, got 'Calc'"),
+    ([R + "multi_turn.function_tool_path={tmp}/reward.py.txt"], {}, R + "multi_turn.function_tool_path",
+     "file not found: {tmp}/reward.py.txt"),
+    ([R + "multi_turn.function_tool_path={tmp}/tools_bad.yaml"], {}, R + "multi_turn.function_tool_path",
+     "expected a Python file (.py), got {tmp}/tools_bad.yaml"),
     (GOOD_PATHS + ["data.val_files={tmp}/nope.parquet"], PATHS, "data.val_files", "file not found: {tmp}/nope.parquet"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/nomodel"], PATHS, "actor_rollout_ref.model.path",
      "model directory not found: {tmp}/nomodel"),
@@ -588,6 +601,7 @@ def path_tree(tmp_path_factory):
     (tmp / "moe3").mkdir()   # a Mixture-of-Experts model whose 3 experts EP2 cannot divide
     (tmp / "moe3" / "config.json").write_text('{"num_experts": 3}')
     (tmp / "ckpt").mkdir()
+    (tmp / "tools_bad.yaml").write_text("tools:\n  - class_name: Calc\n")
     return str(tmp)
 
 

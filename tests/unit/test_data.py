@@ -46,6 +46,17 @@ def test_files_concatenated_in_order(tok, tmp_path):
     assert ds[2].origin == f"{b}:0" and ds[0].extra_info == {"k": 1} and ds[0].ability == "copy"
 
 
+def test_raw_chat_kept_only_when_asked(tok, tmp_path):
+    """data.return_raw_chat: the prompt's messages travel with the row (multi-turn rollouts render
+    them with the tool schemas); otherwise nothing is kept."""
+    a = write(tmp_path / "a.parquet", [row("echo: red"), row("echo: blue", "blue")])
+    assert [it.raw_chat for it in PromptDataset([a], tok, max_prompt_length=16)] == [None, None]
+    ds = PromptDataset([a], tok, max_prompt_length=16, return_raw_chat=True)
+    assert [it.raw_chat for it in ds] == [[{"role": "user", "content": "echo: red"}],
+                                          [{"role": "user", "content": "echo: blue"}]]
+    assert tokenize_prompt(tok, ds[1].raw_chat) == ds[1].prompt_ids
+
+
 def test_overlong_prompts(tok, tmp_path):
     long = "echo: " + " ".join(["one", "two", "three", "four", "five", "six"] * 2)   # 2 + 12 words + 2 specials
     f = write(tmp_path / "d.parquet", [row("echo: red"), row(long), row("echo: blue", "blue")])

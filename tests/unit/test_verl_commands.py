@@ -170,6 +170,25 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("algorithm.rollout_correction.loss_type=reinforce", None, None),
     ("+actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", None, None),   # a setting now (clip_cov)
     ("+actor_rollout_ref.actor.calculate_sum_pi_squared=True", None, None),
+    # multi-turn: verl's keys are settings, those megappo lacks are refused unless verl's default
+    ("data.return_raw_chat=True", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.format=hermes", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=2", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "error",
+     "expected one of 'left', 'middle', 'right'"),
+    ("actor_rollout_ref.rollout.multi_turn.format=llama3_json", "error", "expected one of 'hermes'"),
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=False", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=True", "error",
+     "continue from the token ids the model produced"),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=strict", None, None),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=loose", "error",
+     "must be strict, ignore_strippable or disable"),
+    ("+actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=null", None, None),
+    ("+actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=4", "error", "actor_rollout_ref.rollout.n"),
+    ("+actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml", "error", "interactions"),
+    ("+actor_rollout_ref.rollout.multi_turn.completion_callback=a.b", "error", "completion callbacks"),
+    ("+actor_rollout_ref.rollout.multi_turn.max_turns=3", "error", "multi-turn settings are enable, max_assistant_turns"),
 ])
 def test_each_verl_only_key(arg, kind, fragment):
     from megappo.config import load_config

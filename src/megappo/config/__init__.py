@@ -20,7 +20,7 @@ from megappo.config.parse import (PRESETS_DIR, apply_mapping, apply_override, lo
                                   to_yaml)
 from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, ConfigError, CriticConfig,
                                    CriticModelConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
-                                   MegatronConfig, ModelConfig, OptimConfig, PPOConfig, Ref, RefConfig,
+                                   MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, PPOConfig, Ref, RefConfig,
                                    RefMegatronConfig, RewardModelConfig, RewardModelModelConfig, RolloutConfig,
                                    TrainerConfig, ValKwargsConfig, all_keys, get)
 from megappo.config.validation import critic_enabled, validate
@@ -42,7 +42,7 @@ __all__ = [
     "PRESETS_DIR",
     "source_of",
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CriticConfig", "CriticModelConfig",
-    "CustomRewardFunctionConfig", "DataConfig", "KLCtrlConfig", "MegatronConfig", "ModelConfig", "OptimConfig",
+    "CustomRewardFunctionConfig", "DataConfig", "KLCtrlConfig", "MegatronConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig",
     "RefConfig", "RefMegatronConfig", "RewardModelConfig", "RewardModelModelConfig", "RolloutConfig", "TrainerConfig",
     "ValKwargsConfig",
 ]

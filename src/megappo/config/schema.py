@@ -59,6 +59,7 @@ class DataConfig:
     truncation: Truncation = _f("error", "What to do with a prompt longer than max_prompt_length that was not filtered: error | left | right | middle.")
     shuffle: bool = _f(True, "Shuffle the training prompts every epoch.")
     seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
+    return_raw_chat: bool = _f(True, "Keep each prompt's chat messages, unrendered, beside its token ids (verl's key and default; false saves their memory). Multi-turn rollouts with tools need them (the chat template is applied with the tool schemas), so multi_turn.enable requires true; single-turn rollouts and the reward model do not read them (the reward model shares the actor's tokenizer: no chat re-templating).")
 
 
 @dataclass
@@ -183,6 +184,20 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """verl's multi-turn rollout with tools; the keys and defaults are verl's (rollout.yaml)."""
+    enable: bool = _f(False, "Multi-turn rollouts with tool calls. Not wired into megappo's trainer yet (true is refused); the tool layer (tool configs, the hermes parser, the concurrent runner, the shipped tools) is megappo.tools.")
+    max_assistant_turns: Optional[int] = _f(None, "Most assistant (model) turns per sample; null: no limit but the response length.")
+    max_user_turns: Optional[int] = _f(None, "Most user/tool turns per sample; null: no limit but the response length.")
+    max_parallel_calls: int = _f(1, "Tool calls run per sample and turn; the model's further calls in that turn are answered with an error (verl drops them unanswered).")
+    max_tool_response_length: int = _f(256, "Longest tool response, in characters (as verl), before truncation on tool_response_truncate_side.")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = _f("middle", "What a long tool response keeps: left keeps its end (cuts the left), right keeps its start, middle keeps both ends; the cut is marked '(truncated)' as verl marks it.")
+    tool_config_path: Optional[str] = _f(None, "Tool config YAML in verl's shape: tools: [{class_name: pkg.mod.Class, config: {...}, tool_schema: {type: function, function: {name, description, parameters}}}]; null: no class tools.")
+    function_tool_path: Optional[str] = _f(None, "Python file whose functions decorated with megappo.tools.function_tool become tools (schema from the signature's type hints and the docstring's Args section); null: none. Tool names must be unique across both paths.")
+    format: Literal["hermes"] = _f("hermes", "How tool calls appear in the model's text: hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, Qwen's format).")
+
+
+@dataclass
 class RolloutConfig:
     name: Literal["vllm"] = _f("vllm", "Rollout engine.")
     n: int = _f(1, "Responses sampled per prompt.")
@@ -202,6 +217,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.actor.use_dynamic_bsz"), "Token-budget micro-batches for the old log-prob pass.")
     log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), "Token budget per micro-batch of the old log-prob pass.")
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig, "Sampling used for validation.")
+    multi_turn: MultiTurnConfig = _sub(MultiTurnConfig, "Multi-turn rollouts with tools (verl's keys); refused when enabled until the trainer runs them.")
 
 
 @dataclass

@@ -53,6 +53,7 @@ def validate(
     _rollout_correction(cfg, need, W)
     _estimator(cfg, need, W)
     _sampling(cfg, need, W)
+    _multi_turn(cfg, need)
     _optimizers(cfg, need)
     _trainer(cfg, need)
     _start_checkpoints(cfg, need, W)
@@ -69,14 +70,16 @@ def _sizes(cfg: PPOConfig, need: Need) -> None:
                 R + "val_kwargs.n", "critic.ppo_mini_batch_size", "critic.ppo_epochs",
                 "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
                 A + "megatron.tensor_model_parallel_size", A + "megatron.pipeline_model_parallel_size",
-                "algorithm.kl_ctrl.horizon", "rollout.nnodes", "rollout.n_gpus_per_node"):
+                "algorithm.kl_ctrl.horizon", "rollout.nnodes", "rollout.n_gpus_per_node",
+                R + "multi_turn.max_parallel_calls", R + "multi_turn.max_tool_response_length"):
         v = get(cfg, key)
         need(isinstance(v, int) and v >= 1, key, f"must be a positive integer, got {v!r}")
     for key in ("data.val_batch_size", "data.gen_batch_size", A + "ppo_micro_batch_size_per_gpu", R + "log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
                 "critic.forward_micro_batch_size_per_gpu", "trainer.total_training_steps",
                 A + "megatron.virtual_pipeline_model_parallel_size",
-                "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
+                "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+                R + "multi_turn.max_assistant_turns", R + "multi_turn.max_user_turns"):
         v = get(cfg, key)
         need(v is None or v >= 1, key, f"must be null or a positive integer, got {v!r}")
     ka, kc = cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep
@@ -360,6 +363,38 @@ def _sampling(cfg: PPOConfig, need: Need, W: list[str]) -> None:
          f"({d.max_prompt_length + d.max_response_length} tokens)")
 
 
+def _multi_turn(cfg: PPOConfig, need: Need) -> None:
+    mt, k = cfg.actor_rollout_ref.rollout.multi_turn, R + "multi_turn."
+    need(not mt.enable, k + "enable", "multi-turn generation is not wired into the trainer yet (set it false); "
+         "the tool layer (tool configs, the hermes parser, the concurrent tool runner, the calculator and the "
+         "sandboxed Python tool) is in megappo.tools")
+    if mt.enable:
+        need(cfg.data.return_raw_chat, "data.return_raw_chat", "must be true with multi_turn.enable: multi-turn "
+             "rollouts apply the chat template to the raw messages with the tool schemas")
+    for name in ("tool_config_path", "function_tool_path"):
+        path = getattr(mt, name)
+        if path:
+            problem = _tool_file_problem(name, path)
+            need(problem is None, k + name, problem or "")
+
+
+def _tool_file_problem(name: str, path: str) -> Optional[str]:
+    """What is wrong with a tool file, checked without importing the tools' code (a dry run
+    may name classes of packages installed only where the job runs)."""
+    from megappo.tools import ToolConfigError, read_tool_config
+
+    p = Path(os.path.expanduser(path))
+    if not p.is_file():
+        return f"file not found: {path}"
+    if name == "function_tool_path":
+        return None if p.suffix == ".py" else f"expected a Python file (.py), got {path}"
+    try:
+        read_tool_config(p)
+    except ToolConfigError as e:
+        return str(e)
+    return None
+
+
 def _optimizers(cfg: PPOConfig, need: Need) -> None:
     for sect in (A + "optim.", "critic.optim."):
         o = get(cfg, sect[:-1])
@@ -504,5 +539,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _optimizers, _trainer, _start_checkpoints, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _paths, _check_model_path,
                   _check_experts)

@@ -50,7 +50,6 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.actor.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("actor_rollout_ref.ref.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("critic.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
-    ("data.return_raw_chat", _when(_truthy, "warn", "has no effect: the reward model must share the actor's tokenizer (no chat re-templating)")),
     ("trainer.log_val_generations", _when(_truthy, "warn", "has no effect yet: validation generations are not logged")),
     ("trainer.use_legacy_worker_impl", lambda v: None),
     # megappo computes sum pi^2 in the old-log-prob pass whenever the estimator needs it (forward only)
@@ -69,7 +68,13 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired; megappo keeps an idle role's optimizer state in host memory with <section>.megatron.optimizer_offload=true")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
-    ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's rollout is single-turn")),
+    # verl's multi-turn keys megappo has no setting for: verl's default value is what megappo does
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", _when(_truthy, "error", "is not supported: megappo's multi-turn samples continue from the token ids the model produced (verl's false); re-rendering earlier turns with the chat template would change the trained tokens")),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", lambda v: None if v in ("strict", "ignore_strippable", "disable") else ("error", "must be strict, ignore_strippable or disable")),
+    ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _when(lambda v: v is not None, "error", "is not supported: samples per prompt are actor_rollout_ref.rollout.n")),
+    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path", _when(lambda v: v is not None, "error", "is not supported: interactions (a simulated user answering between turns) are not implemented; tools are (tool_config_path, function_tool_path)")),
+    ("actor_rollout_ref.rollout.multi_turn.completion_callback", _when(lambda v: v is not None, "error", "is not supported: completion callbacks are not implemented")),
+    ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's multi-turn settings are enable, max_assistant_turns, max_user_turns, max_parallel_calls, max_tool_response_length, tool_response_truncate_side, tool_config_path, function_tool_path and format")),
     ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),
     ("reward_model.overlong_buffer.log", lambda v: None),   # megappo always logs the penalty's batch metrics
     ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported under this name: DAPO's overlong penalty is reward_model.overlong_buffer.* here (enable, len, penalty_factor)")),

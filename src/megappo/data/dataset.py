@@ -27,6 +27,7 @@ class PromptItem:
     ability: str = ""
     origin: str = ""          # "file:row", for error messages
     truncated: bool = False
+    raw_chat: Optional[list] = None   # the prompt's chat messages, with data.return_raw_chat
 
 
 def read_rows(path: str) -> list[dict]:
@@ -172,7 +173,7 @@ class PromptDataset:
     The first rows of each file also check that the tokenizer fits the text (_check_tokenization)."""
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
-                 filter_overlong_prompts: bool = False, truncation: str = "error"):
+                 filter_overlong_prompts: bool = False, truncation: str = "error", return_raw_chat: bool = False):
         if truncation not in ("error", "left", "right", "middle"):
             raise ValueError(f"data.truncation must be error, left, right or middle, got {truncation!r}")
         files = [files] if isinstance(files, str) else list(files)
@@ -202,7 +203,8 @@ class PromptDataset:
                     self.num_truncated += 1
                 self.items.append(PromptItem(ids, row["data_source"], row["reward_model"]["ground_truth"],
                                              row.get("extra_info") or {}, row.get("ability") or "", f"{path}:{r}",
-                                             truncated))
+                                             truncated,
+                                             [dict(m) for m in row[prompt_key]] if return_raw_chat else None))
         if not self.items:
             raise DataError(f"{', '.join(files)}: no prompts left after filtering ({self.num_filtered} longer than "
                             f"data.max_prompt_length={max_prompt_length})")

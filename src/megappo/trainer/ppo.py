@@ -59,7 +59,8 @@ class PPOTrainer:
         custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                          if cfg.custom_reward_function.path else None)
         ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                  return_raw_chat=d.return_raw_chat)
         self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
         self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
         self.last_step = self.total_steps()   # fit() sets the run's last step

@@ -1,0 +1,185 @@
+"""Multi-turn generation with tools, token-exact: a pure loop over a small engine protocol.
+
+Each turn continues from the token ids the sample holds so far (the prompt, the model's turns as
+the engine produced them, the tool turns), so earlier turns are never decoded and re-encoded,
+which can change tokens and break the equality of the engine's and the trainer's log-probs. A
+tool turn is the chat template's rendering of the tool messages *after* an assistant turn (its
+delta), appended with mask 0; the model's tokens have mask 1. Not wired into the trainer yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+
+from megappo.tools import PARSERS, Tool, ToolRunner, load_tools, parse_hermes
+
+from .engine import SamplingConfig
+
+if TYPE_CHECKING:
+    from megappo.config import MultiTurnConfig
+
+
+class TurnEngine(Protocol):
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
+        """For each prompt (token ids) the generated token ids (ending with EOS unless cut at
+        ``max_tokens``) and the engine's log-prob of each."""
+
+
+class VLLMTurns:
+    """The engine protocol over a :class:`~megappo.rollout.VLLMRollout` (or anything with its
+    ``generate``): one sample per prompt with ``sampling``'s settings; a call asks for the largest
+    remaining budget and cuts each output to its own (the kept tokens are what a smaller
+    ``max_tokens`` would have given). A ``sampling.seed`` seeds each call by the prompts' positions
+    in it, not by sample: per-sample seeds across turns are not wired yet."""
+
+    def __init__(self, rollout: Any, sampling: SamplingConfig):
+        self.rollout, self.sampling = rollout, replace(sampling, n=1)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
+        out = self.rollout.generate(prompts, replace(self.sampling, max_tokens=max(max_tokens)))
+        lengths = out.response_lengths.tolist()
+        return [(out.responses[j, :min(n, m)].tolist(), out.rollout_log_probs[j, :min(n, m)].tolist())
+                for j, (n, m) in enumerate(zip(lengths, max_tokens))]
+
+
+@dataclass
+class MultiTurnSample:
+    """One sample: ``response_ids`` holds every token after the prompt, model and tool turns alike."""
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)   # 1: the model's token, 0: a tool turn's
+    logprobs: list[float] = field(default_factory=list)      # the engine's; 0.0 on tool tokens
+    assistant_turns: int = 0
+    user_turns: int = 0                                       # tool turns (verl's name)
+    step_rewards: list[float] = field(default_factory=list)  # each call's reward from execute
+    tool_rewards: dict = field(default_factory=dict)         # each used tool's calc_reward at the end
+    tool_seconds: float = 0.0
+    stop: str = ""        # length | max_assistant_turns | max_user_turns | no_tool_call
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: the prompt, the assistant turns and the tool turns."""
+        return self.assistant_turns + self.user_turns + 1
+
+
+def _ids(rendered: Any) -> list[int]:
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+class ToolTurnTokens:
+    """The token ids the chat template puts after an assistant turn the model ended with EOS:
+    the tool messages and the next assistant header.
+
+    They are the difference between the template's rendering of a short conversation with and
+    without the tool messages; the template's tokens after the assistant's EOS (Qwen's '\\n') come
+    first, since the model stops at its EOS and never writes them.
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]):
+        self.tokenizer, self.eos = tokenizer, set(int(t) for t in eos_token_ids)
+        self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        base = _ids(tokenizer.apply_chat_template(self._base, tokenize=True))
+        ends = [i for i, t in enumerate(base) if t in self.eos]
+        self._base_ids, self._after_eos = base, (base[ends[-1] + 1:] if ends else [])
+
+    def __call__(self, texts: list[str]) -> list[int]:
+        msgs = self._base + [{"role": "tool", "content": t} for t in texts]
+        full = _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
+        n = len(self._base_ids)
+        if full[:n] != self._base_ids:
+            raise ValueError("the chat template renders the earlier turns differently once tool messages follow, "
+                             "so a tool turn has no token-exact continuation with this template")
+        return self._after_eos + full[n:]
+
+
+def tool_runner(multi_turn: MultiTurnConfig, *, timeout_s: float = 60.0, max_workers: int = 8,
+                extra: tuple[Tool, ...] = ()) -> ToolRunner:
+    """The runner ``actor_rollout_ref.rollout.multi_turn`` describes: its tool files loaded (and
+    ``extra`` tools), its per-turn call limit and its truncation of long answers."""
+    tools = load_tools(multi_turn.tool_config_path, multi_turn.function_tool_path, extra)
+    return ToolRunner(tools, max_parallel_calls=multi_turn.max_parallel_calls,
+                      max_response_length=multi_turn.max_tool_response_length,
+                      truncate_side=multi_turn.tool_response_truncate_side, timeout_s=timeout_s,
+                      max_workers=max_workers)
+
+
+def loop_settings(multi_turn: MultiTurnConfig) -> dict:
+    """:func:`multi_turn_generate`'s keyword arguments the settings give: the parser of
+    ``format`` and the turn limits."""
+    return dict(parse=PARSERS[multi_turn.format], max_assistant_turns=multi_turn.max_assistant_turns,
+                max_user_turns=multi_turn.max_user_turns)
+
+
+def _after_model_turn(s: MultiTurnSample, ids: list[int], budget: int, limits: tuple, decode,
+                      parse) -> tuple[str, list]:
+    """Why the sample stops after this model turn ('' if it goes on), and its tool calls."""
+    max_assistant, max_user = limits
+    if len(s.response_ids) >= budget:
+        return "length", []
+    if max_assistant and s.assistant_turns >= max_assistant:
+        return "max_assistant_turns", []
+    if max_user and s.user_turns >= max_user:
+        return "max_user_turns", []
+    calls = parse(decode(ids))[1]
+    return ("", calls) if calls else ("no_tool_call", [])
+
+
+def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner: ToolRunner,
+                        decode: Callable[[list[int]], str], tool_turn: Callable[[list[str]], list[int]],
+                        max_response_length: int, max_assistant_turns: Optional[int] = None,
+                        max_user_turns: Optional[int] = None, tools_kwargs: Optional[list[dict]] = None,
+                        parse: Callable[[str], tuple] = parse_hermes) -> tuple[list[MultiTurnSample], dict]:
+    """Generate every prompt's conversation: model turn, tool calls (hermes), tool turn, ... until
+    the model calls no tool, a turn limit is reached or ``max_response_length`` tokens after the
+    prompt are used (a tool turn that would reach it is not appended, as in verl). Returns the
+    samples and the step's metrics."""
+    samples = [MultiTurnSample(list(p)) for p in prompts]
+    kwargs = tools_kwargs or [{} for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        outs = engine.generate([samples[i].prompt_ids + samples[i].response_ids for i in active],
+                               [max_response_length - len(samples[i].response_ids) for i in active])
+        callers = []
+        for i, (ids, lps) in zip(active, outs):
+            s = samples[i]
+            room = max_response_length - len(s.response_ids)
+            ids, lps = list(ids)[:room], list(lps)[:room]
+            s.response_ids += ids
+            s.response_mask += [1] * len(ids)
+            s.logprobs += [float(x) for x in lps]
+            s.assistant_turns += 1
+            s.stop, calls = _after_model_turn(s, ids, max_response_length, (max_assistant_turns, max_user_turns),
+                                              decode, parse)
+            if not s.stop:
+                callers.append((i, calls))
+        results = runner.run_turn([i for i, _ in callers], [c for _, c in callers], [kwargs[i] for i, _ in callers])
+        active = []
+        for (i, _), answers in zip(callers, results):
+            s = samples[i]
+            s.step_rewards += [a.reward for a in answers]
+            s.tool_seconds += sum(a.seconds for a in answers)
+            ids = tool_turn([a.text for a in answers])
+            if len(s.response_ids) + len(ids) >= max_response_length:
+                s.stop = "length"
+                continue
+            s.response_ids += ids
+            s.response_mask += [0] * len(ids)
+            s.logprobs += [0.0] * len(ids)
+            s.user_turns += 1
+            active.append(i)
+    for i, s in enumerate(samples):
+        s.tool_rewards = runner.finish(i)
+    return samples, _metrics(samples, runner)
+
+
+def _metrics(samples: list[MultiTurnSample], runner: ToolRunner) -> dict[str, float]:
+    out = runner.pop_metrics()
+    turns = [s.num_turns for s in samples] or [0]
+    seconds = [s.tool_seconds for s in samples] or [0.0]
+    for name, xs in (("num_turns", turns), ("agent_loop/tool_calls", seconds)):     # verl's names
+        out[f"{name}/min"], out[f"{name}/max"], out[f"{name}/mean"] = min(xs), max(xs), sum(xs) / len(xs)
+    tokens = sum(len(s.response_mask) for s in samples)
+    out["multi_turn/tool_token_share"] = (tokens - sum(sum(s.response_mask) for s in samples)) / max(tokens, 1)
+    for s in samples:
+        out[f"multi_turn/stop/{s.stop}"] = out.get(f"multi_turn/stop/{s.stop}", 0.0) + 1
+    return out
