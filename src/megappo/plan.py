@@ -48,8 +48,7 @@ MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config", "resident",
-           "simulated_totals", "render_simulation", "simulate_plan",
-           "find_model_config", "padded_vocab_size", "main"]
+           "LayoutError", "layout_problems", "simulated_totals", "render_simulation", "simulate_plan", "find_model_config", "padded_vocab_size", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,14 +499,37 @@ def simulate_plan(p: Plan, hf: dict, stages=None) -> list:
     return [simulate_stage(hf, p.options, s) for s in (stages if stages is not None else range(p.options.pp))]
 
 
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built for the model (megatron would refuse it at start-up)."""
+
+
+def layout_problems(m: ModelShape, o: PlanOptions) -> list[str]:
+    """Why the layout cannot be built, in the words megappo.models uses when it builds one (its
+    checks run only once the job has its GPUs; these run before it is queued)."""
+    problems = [f"{what} ({n}) is not divisible by tensor_model_parallel_size ({o.tp})"
+                for what, n in (("num_attention_heads", m.heads), ("num_key_value_heads", m.groups),
+                                ("intermediate_size", m.ffn)) if n % o.tp]
+    if m.layers % (o.pp * (o.vpp or 1)):
+        problems.append(f"num_hidden_layers ({m.layers}) is not divisible by pipeline_model_parallel_size x "
+                        f"virtual stages ({o.pp} x {o.vpp or 1})")
+    if m.experts and m.experts % o.ep:
+        problems.append(f"num_experts ({m.experts}) is not divisible by expert_model_parallel_size ({o.ep})")
+    return problems
+
+
 def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Optional[float] = None):
-    """(Plan, the HF config.json used) of a megappo config."""
+    """(Plan, the HF config.json used) of a megappo config; LayoutError when the layout cannot
+    be built for the model."""
     source = model_config or cfg.actor_rollout_ref.model.path
     path = find_model_config(source)
     name = (path.stem if path.parent == MODEL_CONFIGS else source.split("@")[0] if hub.is_hub_id(source)
             else path.parent.name)
     shape = model_shape(json.loads(path.read_text()), name=name)
-    return plan(shape, options_from_config(cfg, gpu_memory_gb)), path
+    options = options_from_config(cfg, gpu_memory_gb)
+    problems = layout_problems(shape, options)
+    if problems:
+        raise LayoutError(f"the layout cannot be built for {name}: " + "; ".join(problems))
+    return plan(shape, options), path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -525,7 +547,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(args.overrides, args.config)
         p, path = plan_from_config(cfg, args.model_config)
-    except (ConfigError, FileNotFoundError, KeyError, hub.HubError) as e:
+    except (ConfigError, FileNotFoundError, KeyError, hub.HubError, LayoutError) as e:
         print(f"megappo.plan: {e}", file=sys.stderr)
         return 2
     print(f"model config: {path}")
