@@ -37,9 +37,8 @@ never sees these):
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -199,9 +198,14 @@ def fake_world(world: int, rank: int, tp: int, pp: int, vpp: Optional[int] = Non
 
 @dataclass
 class RoleBytes:
+    """What building a role added to the live bytes. ``grads``: what megatron's DDP adds (its
+    fp32 gradient buffer, and its padded parameter buffer less the weights that move into it);
+    ``optimizer``: the distributed optimizer's fp32 main weights and Adam's moments (after one
+    step) and step counters. ``buffer_elements``: the elements of DDP's gradient buffers (padded)."""
     weights: int = 0
     grads: int = 0
     optimizer: int = 0
+    buffer_elements: int = 0
 
 
 @dataclass
@@ -268,6 +272,7 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     role.ddp_chunks = [DistributedDataParallel(cfg, ddp_cfg, c) for c in chunks]
     cfg.finalize_model_grads_func = finalize_model_grads
     out.grads = mem.current - before
+    out.buffer_elements = sum(b.grad_data.numel() for c in role.ddp_chunks for b in c.buffers + c.expert_parallel_buffers)
     before = mem.current
     role.optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-6, bf16=cfg.bf16, params_dtype=cfg.params_dtype, clip_grad=1.0,
@@ -332,9 +337,11 @@ def _micro_batches(o, training: bool) -> int:
     return -(-n // o.pp) * o.pp if o.vpp else n   # the interleaved schedule wants a multiple of PP
 
 
-def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES) -> StageResult:
+def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES, fake: bool = True) -> StageResult:
     """One pipeline stage of layout ``o`` (a megappo.plan.PlanOptions) for the model of HF
-    config.json mapping ``hf``: each present role's state and each phase's transient peak."""
+    config.json mapping ``hf``: each present role's state and each phase's transient peak.
+    ``fake=False`` allocates real tensors instead (a tiny model at world size 1: the check that
+    fake tensors account as real ones allocate)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.monotonic()
@@ -344,7 +351,7 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES) -> StageRes
     mem = LiveBytes()
     moe = bool(hf.get("num_experts"))
     with simulation_patches(), fake_world(world, rank, o.tp, o.pp, o.vpp, o.ep if moe else None):
-        with FakeTensorMode(allow_non_fake_inputs=True), mem:
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), mem:
             roles = {}
             for name, r, head in (("actor", o.actor, False), ("critic", o.critic, True), ("ref", o.ref, False)):
                 if r.present:
@@ -368,12 +375,3 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES) -> StageRes
     result.seconds = time.monotonic() - start
     return result
 
-
-def read_model_config(path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def shrink(o, **changes):
-    """A PlanOptions with changed fields (e.g. smaller token budgets for a quick simulation)."""
-    return replace(o, **changes)
