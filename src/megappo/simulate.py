@@ -124,6 +124,49 @@ def _patched(obj, name: str, value):
         setattr(obj, name, old)
 
 
+class BalancedDispatch:
+    """The alltoall token dispatcher's steps with every expert receiving an equal share of the
+    routed tokens: megatron sizes its permutation and all-to-all buffers by token counts read
+    back from the device (``.numpy()``, ``.tolist()``), which fake tensors do not have. Each step
+    makes a buffer of the size megatron's makes under balanced routing (T x top-k tokens per
+    rank); the routing itself (router logits, top-k, probabilities) runs as in training."""
+
+    @staticmethod
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.view(-1, self.hidden_shape[-1])
+        k = self.config.moe_router_topk
+        self.sim_index = torch.arange(hidden.shape[0] * k, device=hidden.device) // k    # token of each copy
+        return hidden.index_select(0, self.sim_index), probs.reshape(-1)[: self.sim_index.numel()] * 1.0
+
+    @staticmethod
+    def token_dispatch(self, hidden_states, probs):
+        return hidden_states.clone(), probs.clone()      # the all-to-all's received buffers
+
+    @staticmethod
+    def dispatch_postprocess(self, hidden_states, probs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        n, e = hidden_states.shape[0], self.num_local_experts
+        with unset_fake_temporarily():                   # a host-side count, as megatron's after its sync
+            counts = torch.tensor([n // e + (i < n % e) for i in range(e)])
+        return hidden_states.clone(), counts, probs.clone()   # sorted by local expert
+
+    @staticmethod
+    def combine_preprocess(self, hidden_states):
+        return hidden_states.clone()                     # unsorted
+
+    @staticmethod
+    def token_combine(self, hidden_states, *args, **kwargs):
+        return hidden_states.clone()                     # the all-to-all back
+
+    @staticmethod
+    def combine_postprocess(self, hidden_states):
+        t = self.sim_index.numel() // self.config.moe_router_topk
+        out = torch.zeros(t, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
+        return out.index_add(0, self.sim_index, hidden_states).view(self.hidden_shape)
+
+
 @contextlib.contextmanager
 def simulation_patches():
     """megatron-core and torch.distributed, adapted to fake tensors for the duration (the module
@@ -155,11 +198,16 @@ def simulation_patches():
     def gather_object(out, obj, group=None):
         out[:] = [obj] * len(out)
 
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    moe = [(MoEAlltoAllTokenDispatcher, name, getattr(BalancedDispatch, name))
+           for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+                        "token_combine", "combine_postprocess")]
     with contextlib.ExitStack() as stack:
-        for obj, name, value in ((mrandom.CudaRNGStatesTracker, "fork", fork),
+        for obj, name, value in moe + [(mrandom.CudaRNGStatesTracker, "fork", fork),
                                  (param_and_grad_buffer, "_coalescing_manager", one_by_one),
                                  (mopt, "get_grad_norm_fp32", lambda *a, **k: 0.0),
-                                 (dist, "new_group", fake_new_group), (dist, "all_gather_object", gather_object)):
+                                 (dist, "new_group", fake_new_group), (dist, "all_gather_object", gather_object)]:
             stack.enter_context(_patched(obj, name, value))
         yield
 

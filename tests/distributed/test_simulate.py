@@ -109,3 +109,26 @@ def test_plan_simulate_prints_simulated_beside_planned(tmp_path):
     for phase in ("old_log_prob", "values", "update_critic", "update_actor"):
         assert any(line.split()[:1] == [phase] and line.count("GiB") == 2 for line in out.splitlines()
                    if "rank" not in line), phase
+
+
+def test_mixture_of_experts_simulates_with_balanced_routing():
+    """A tiny Qwen3-MoE at EP2 over DP2 (world 2): each rank holds half the experts, whole; the
+    distributed optimizer shards the dense parameters over DP2 and the experts over their
+    expert-data-parallel group (TP x DP / EP = 1 rank); the passes run on balanced routing."""
+    E, K, FE = 4, 2, 128
+    moe = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=E,
+               num_experts_per_tok=K, moe_intermediate_size=FE, mlp_only_layers=[], decoder_sparse_step=1)
+    script = SCRIPT.replace("P.PlanOptions(tp=tp", "P.PlanOptions(ep=2, tp=tp").replace(
+        ", critic=role(recompute=\"full\")", "")
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(moe), "1", "1", "2", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (res,) = json.loads(r.stdout.strip().splitlines()[-1])
+    experts = L * (E // 2) * 3 * H * FE
+    dense = L * (H * HEADS * D + 2 * H * GROUPS * D + HEADS * D * H + 2 * H + 2 * D + H * E) + 2 * 1024 * H + H
+    assert res["parameters"]["actor"] == dense + experts
+    st = res["state"]["actor"]
+    # bf16 weights, plus the router's small per-layer buffers (token counts per expert)
+    assert 0 <= st["weights"] - 2 * (dense + experts) <= 4 + L * 64
+    assert 12 * (dense // 2 + experts) <= st["optimizer"] <= 12 * (dense // 2 + experts) + 12 * 128 * 4 + 4 * 64
+    assert set(res["transient"]) == {"old_log_prob", "update_actor"} and res["passes"]["update_actor"] > 0
