@@ -552,8 +552,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(f"model config: {path}")
     print(render(p))
-    if args.simulate:
-        print(render_simulation(p, simulate_plan(p, json.loads(path.read_text()), args.stage)))
     if not p.fits():
         fix = cheapest_fix(p.model, p.options)
         if fix is None:
@@ -563,6 +561,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             labels, overrides, fixed = fix
             print(f"  cheapest fix: {'; '.join(labels)} -> peak {fixed.peak()[0] / GiB:.1f} GiB")
             print("    " + " ".join(overrides))
+    if args.simulate:   # after the plan's verdict, which it does not change
+        print(render_simulation(p, simulate_plan(p, json.loads(path.read_text()), args.stage)))
     return 0 if p.fits() else 1
 
 
