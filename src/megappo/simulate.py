@@ -4,9 +4,10 @@ For one pipeline stage of the recipe's real layout, in one process: torch.distri
 "fake" backend at the real world size with the rank of that stage, megatron's parallel state of
 that rank, then each role (actor, critic, reference) built at full size under
 ``FakeTensorMode`` (shapes, dtypes and storages, never data), with megatron's DDP buffers and
-distributed optimizer for the training roles, and one pass of each phase at the recipe's token
-budget through megatron's pipeline schedule: log-prob forward, values forward, critic update
-and actor update (forward, backward and an optimizer step). Every storage created is accounted
+distributed optimizer for the training roles, and each phase at the recipe's token budget
+through megatron's pipeline schedule (updates: up to 2 x PP micro-batches, the schedule's steady
+state): log-prob forward, reference forward, values forward, critic update and actor update
+(forward, backward and an optimizer step). Every storage created is accounted
 by a dispatch mode (:class:`LiveBytes`), so each phase's peak is what that rank would hold.
 
 The figures are simulated, not measured on a GPU: no CUDA context, NCCL buffers or allocator
@@ -32,12 +33,16 @@ never sees these):
 - megatron's local layer spec materialises the [s, s] attention scores, which the GPU path's
   flash attention (TransformerEngine) never does: core attention is
   ``scaled_dot_product_attention``, whose fake kernel keeps what flash attention keeps (the
-  output and the log-sum-exp).
+  output and the log-sum-exp);
+- Mixture-of-Experts: the alltoall dispatcher sizes its buffers from token counts read back
+  from the device (``.numpy()``, ``.tolist()``): routing is taken as balanced
+  (:class:`BalancedDispatch`).
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -45,10 +50,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "FlashCoreAttention", "StageResult", "simulation_patches", "fake_world", "simulate_stage",
-           "simulate_config", "SIMULATED_PHASES", "LABEL"]
+__all__ = ["LiveBytes", "FlashCoreAttention", "BalancedDispatch", "RoleBytes", "StageResult", "simulation_patches",
+           "fake_world", "stage_rank", "simulate_stage", "SIMULATED_PHASES", "LABEL"]
 
-GiB = 2**30
 LABEL = "simulated, not measured on a GPU"
 SIMULATED_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
 _PHASE_ROLE = {"old_log_prob": "actor", "ref": "ref", "values": "critic", "update_critic": "critic",
@@ -84,8 +88,6 @@ class LiveBytes(TorchDispatchMode):
         self.live[key] = n
         self.current += n
         self.peak = max(self.peak, self.current)
-        import weakref
-
         weakref.finalize(s, self._drop, key)
 
     def _drop(self, key: int) -> None:
