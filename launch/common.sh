@@ -11,7 +11,8 @@
 #   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
 #   ROLLOUT_GPUS (split placement: that many GPUs of every node run vLLM, the rest train; with
 #   ROLLOUT_NNODES=m the rollout gets m nodes of its own instead)  ASYNC_MODE (sync | one_step_off)
-#   DRY_RUN=1 (print the resolved config, rank layout and memory plan; start nothing)
+#   DRY_RUN=1 (print the resolved config, rank layout and memory plan; start nothing; DRY_RUN=2: also
+#   simulate each pipeline stage's step at full size on fake tensors, minutes on a CPU)
 #   GPU_MEMORY_GB (the plan's GPU size; default trainer.gpu_memory_gb, else the device's, else 80)  PYTHON
 set -euo pipefail
 
@@ -96,12 +97,13 @@ megappo_launch() {
   megappo_check_layout
   megappo_args
   local cfg=(--config "$PARALLEL_CONFIG")
-  if [[ "$DRY_RUN" == 1 ]]; then
+  if [[ "$DRY_RUN" == 1 || "$DRY_RUN" == 2 ]]; then
     # the resolved config and layout, then the memory plan (per stage and phase, against
     # GPU_MEMORY_GB or trainer.gpu_memory_gb); a plan that does not fit is reported, not fatal
     "$PYTHON" -m megappo.train "${cfg[@]}" --dry-run "${MEGAPPO_ARGS[@]}" "$@"
-    local rc=0
-    "$PYTHON" -m megappo.plan "${cfg[@]}" "${MEGAPPO_ARGS[@]}" ${GPU_MEMORY_GB:+trainer.gpu_memory_gb=$GPU_MEMORY_GB} "$@" || rc=$?
+    local rc=0 simulate=()
+    [[ "$DRY_RUN" == 2 ]] && simulate=(--simulate)
+    "$PYTHON" -m megappo.plan "${simulate[@]}" "${cfg[@]}" "${MEGAPPO_ARGS[@]}" ${GPU_MEMORY_GB:+trainer.gpu_memory_gb=$GPU_MEMORY_GB} "$@" || rc=$?
     (( rc <= 1 )) || exit "$rc"
     exit 0
   fi

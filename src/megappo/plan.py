@@ -47,8 +47,8 @@ LOGITS_FP32_COPIES = 3           # the kernel's fp32 work per logit: upcast, exp
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
-__all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config",
-           "find_model_config", "padded_vocab_size", "main"]
+__all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config", "resident",
+           "LayoutError", "layout_problems", "simulated_totals", "render_simulation", "simulate_plan", "find_model_config", "padded_vocab_size", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,14 +236,24 @@ def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training:
     back for its forward passes, gradients and optimizer state for its update only). The
     distributed optimizer shards dense state over DP and expert state over the expert-data-
     parallel ranks (TP x DP / EP: the ranks holding the same experts)."""
-    out = {"weights": 0 if (r.param_offload and not active) else o.param_bytes * n}
+    kept = resident(r, active, training)
+    out = {"weights": o.param_bytes * n if kept["weights"] else 0}
     if r.trains:
-        out["grads"] = 0 if (r.grad_offload and not (active and training)) else 4 * n
+        out["grads"] = 4 * n if kept["grads"] else 0
         b = 12 if o.param_bytes < 4 else 8
         edp = max(1, o.tp * o.dp // o.ep)
         per = b * (n - experts) // o.dp + b * experts // edp if r.distributed_optimizer else b * n
-        out["optimizer"] = 0 if (r.optimizer_offload and not (active and training)) else per
+        out["optimizer"] = per if kept["optimizer"] else 0
     return out
+
+
+def resident(r: RoleOptions, active: bool, training: bool) -> dict[str, bool]:
+    """Which of a role's weights, gradients and optimizer state are on the device in a phase:
+    offloaded parts only while the role needs them (weights for any pass of its own, gradients
+    and optimizer state for its update)."""
+    return {"weights": not (r.param_offload and not active),
+            "grads": not (r.grad_offload and not (active and training)),
+            "optimizer": not (r.optimizer_offload and not (active and training))}
 
 
 def layer_activation_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
@@ -441,14 +451,85 @@ def render(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def simulated_totals(p: Plan, result) -> dict[str, int]:
+    """Per phase of one stage's simulation (a megappo.simulate.StageResult): each role's simulated
+    state that is on the device in that phase by the planner's offload rules, the pass's
+    transient peak, and vLLM's share as planned (the simulation has no vLLM)."""
+    o = p.options
+    roles = {"actor": o.actor, "critic": o.critic, "ref": o.ref}
+    out = {}
+    for phase, transient in result.transient.items():
+        total = transient + p.table[result.stage][phase].get("vLLM", 0)
+        for name, state in result.state.items():
+            kept = resident(roles[name], name in ACTIVE[phase], phase.startswith("update"))
+            total += sum(getattr(state, k) for k, on in kept.items() if on)
+        out[phase] = total
+    return out
+
+
+def render_simulation(p: Plan, results: list) -> str:
+    """The simulated peak of each phase beside the plan's, per simulated stage."""
+    from megappo.simulate import LABEL
+
+    o = p.options
+    lines = [f"simulated memory per GPU ({LABEL}): {p.model.name or 'model'}, TP{o.tp} PP{o.pp}"
+             + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if p.model.experts else "")
+             + f", world {o.tp * o.pp * o.dp}"]
+    for r in results:
+        lines.append(f"  pipeline stage {r.stage} (rank {r.rank}, simulated in {r.seconds:.0f} s):")
+        for name, st in r.state.items():
+            lines.append(f"    {name:<7} state  weights {st.weights / GiB:.2f}, grads {st.grads / GiB:.2f}, "
+                         f"optimizer {st.optimizer / GiB:.2f} GiB ({r.parameters[name] / 1e9:.3f}B parameters)")
+        lines.append(f"    {'phase':<14} {'simulated':>9} {'planned':>9}   pass peak (simulated / planned "
+                     "activations + logits)")
+        totals = simulated_totals(p, r)
+        for phase, total in totals.items():
+            row = p.table[r.stage][phase]
+            planned_pass = row.get("activations", 0) + row.get("logits", 0)
+            step = f", optimizer step {r.steps[phase] / GiB:.1f}" if phase in r.steps else ""
+            lines.append(f"    {phase:<14} {total / GiB:7.1f} GiB {p.total(r.stage, phase) / GiB:5.1f} GiB   "
+                         f"{r.passes[phase] / GiB:.1f} / {planned_pass / GiB:.1f}{step}")
+    return "\n".join(lines)
+
+
+def simulate_plan(p: Plan, hf: dict, stages=None) -> list:
+    """megappo.simulate's figures for the stages of plan ``p`` (all by default)."""
+    from megappo.simulate import simulate_stage
+
+    return [simulate_stage(hf, p.options, s) for s in (stages if stages is not None else range(p.options.pp))]
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built for the model (megatron would refuse it at start-up)."""
+
+
+def layout_problems(m: ModelShape, o: PlanOptions) -> list[str]:
+    """Why the layout cannot be built, in the words megappo.models uses when it builds one (its
+    checks run only once the job has its GPUs; these run before it is queued)."""
+    problems = [f"{what} ({n}) is not divisible by tensor_model_parallel_size ({o.tp})"
+                for what, n in (("num_attention_heads", m.heads), ("num_key_value_heads", m.groups),
+                                ("intermediate_size", m.ffn)) if n % o.tp]
+    if m.layers % (o.pp * (o.vpp or 1)):
+        problems.append(f"num_hidden_layers ({m.layers}) is not divisible by pipeline_model_parallel_size x "
+                        f"virtual stages ({o.pp} x {o.vpp or 1})")
+    if m.experts and m.experts % o.ep:
+        problems.append(f"num_experts ({m.experts}) is not divisible by expert_model_parallel_size ({o.ep})")
+    return problems
+
+
 def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Optional[float] = None):
-    """(Plan, the HF config.json used) of a megappo config."""
+    """(Plan, the HF config.json used) of a megappo config; LayoutError when the layout cannot
+    be built for the model."""
     source = model_config or cfg.actor_rollout_ref.model.path
     path = find_model_config(source)
     name = (path.stem if path.parent == MODEL_CONFIGS else source.split("@")[0] if hub.is_hub_id(source)
             else path.parent.name)
     shape = model_shape(json.loads(path.read_text()), name=name)
-    return plan(shape, options_from_config(cfg, gpu_memory_gb)), path
+    options = options_from_config(cfg, gpu_memory_gb)
+    problems = layout_problems(shape, options)
+    if problems:
+        raise LayoutError(f"the layout cannot be built for {name}: " + "; ".join(problems))
+    return plan(shape, options), path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -457,12 +538,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megappo.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--config", action="append", default=[], help="YAML file or preset (repeatable)")
     ap.add_argument("--model-config", help="config.json (or model folder) to plan for, instead of the config's model path")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also simulate each pipeline stage's step at full size on fake tensors (CPU, minutes) and "
+                         "print its per-phase peak beside the plan's (megappo.simulate)")
+    ap.add_argument("--stage", type=int, action="append", help="with --simulate: only this pipeline stage (repeatable)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, as for megappo.train")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.overrides, args.config)
         p, path = plan_from_config(cfg, args.model_config)
-    except (ConfigError, FileNotFoundError, KeyError, hub.HubError) as e:
+    except (ConfigError, FileNotFoundError, KeyError, hub.HubError, LayoutError) as e:
         print(f"megappo.plan: {e}", file=sys.stderr)
         return 2
     print(f"model config: {path}")
@@ -476,6 +561,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             labels, overrides, fixed = fix
             print(f"  cheapest fix: {'; '.join(labels)} -> peak {fixed.peak()[0] / GiB:.1f} GiB")
             print("    " + " ".join(overrides))
+    if args.simulate:   # after the plan's verdict, which it does not change
+        print(render_simulation(p, simulate_plan(p, json.loads(path.read_text()), args.stage)))
     return 0 if p.fits() else 1
 
 

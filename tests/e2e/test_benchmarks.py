@@ -75,3 +75,10 @@ def test_async_benchmark_quick_ends_with_json():
     figures = quick_figures("async.py", 600)["one_step_off"]
     assert figures["step_s"] > 0 and figures["tokens_per_s"] > 0
     assert figures["lag"] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.e2e
+def test_simulate_recipes_benchmark_quick_ends_with_json():
+    figures = quick_figures("simulate_recipes.py", 600)
+    assert set(figures) == {"qwen2.5_0.5b"} and "error" not in figures["qwen2.5_0.5b"]
+    assert figures["qwen2.5_0.5b"]["max_gap_pct"] >= 0

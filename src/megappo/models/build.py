@@ -37,12 +37,13 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
 
 
 def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: Optional[bool] = None,
-                seed: int = 42, value_head_std: float = 0.0) -> list[torch.nn.Module]:
+                seed: int = 42, value_head_std: float = 0.0, core_attention=None) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage held by this rank (a list of one without VPP).
 
     ``value_head=True`` builds the critic: the same backbone, with a (1, hidden) head in place
     of the vocabulary output layer on the last stage and no weight tying. Weights are not
     initialised (load them, see megappo.convert.hf_io); the value head is (see ValueHead).
+    ``core_attention``: see layer_spec (local spec only).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -61,7 +62,8 @@ def build_model(info: HFModelInfo, config, *, value_head: bool = False, use_te: 
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
-            config, layer_spec(config, desc.qk_layernorm, use_te, vp_stage=vp_stage), vocab_size=desc.padded_vocab_size,
+            config, layer_spec(config, desc.qk_layernorm, use_te, vp_stage=vp_stage,
+                                     core_attention=core_attention), vocab_size=desc.padded_vocab_size,
             max_sequence_length=info.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True, share_embeddings_and_output_weights=desc.tie_word_embeddings and not value_head,
             position_embedding_type="rope", rotary_base=int(info.rope_theta), vp_stage=vp_stage)

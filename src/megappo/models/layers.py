@@ -87,8 +87,9 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE and mte.HAVE_TE)
 
 
-def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=None):
-    """Block spec for this stage: TE's layer spec, or the local spec with megappo's RMSNorm."""
+def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=None, core_attention=None):
+    """Block spec for this stage: TE's layer spec, or the local spec with megappo's RMSNorm
+    (``core_attention``: a module class in place of the local spec's, for megappo.simulate)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -109,6 +110,8 @@ def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=
         sub = spec.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
+        if core_attention is not None:
+            sub.self_attention.submodules.core_attention = core_attention
         if qk_layernorm:
             sub.self_attention.submodules.q_layernorm = QKRMSNorm
             sub.self_attention.submodules.k_layernorm = QKRMSNorm

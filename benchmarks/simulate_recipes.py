@@ -1,0 +1,83 @@
+"""Every shipped recipe's step simulated at full size on fake tensors (megappo.simulate), beside
+the memory planner's arithmetic: per pipeline stage and phase, GiB per GPU and the planner's gap.
+
+    python benchmarks/simulate_recipes.py [--recipes qwen3_8b qwen3_14b ...] [--quick] [--gpu-memory-gb 80]
+
+Simulated, not measured on a GPU. Each recipe runs in a process of its own (a simulation holds
+torch.distributed's fake world and megatron's parallel state); ``--quick`` simulates the
+smallest recipe only. Ends with one JSON line: per recipe its wall time, the largest gap and
+the error when the simulation failed.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 2**30
+# What a recipe's launch script sets beyond its parallel config (launch/qwen2_5_0_5b_gsm8k.sh: the
+# model and its 16k-token budget; the Qwen3 configs name their models and budgets themselves).
+_BUDGET = ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+           "critic.forward_max_token_len_per_gpu"]
+LAUNCH_OVERRIDES = {"qwen2.5_0.5b": ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+                                     "critic.model.path=Qwen/Qwen2.5-0.5B-Instruct", "data.max_prompt_length=512",
+                                     "data.max_response_length=512", "data.train_batch_size=256",
+                                     "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+                    + [f"{k}=16384" for k in _BUDGET]}
+
+ONE = """
+import json, sys
+from megappo import plan as P
+from megappo.config import load_config
+cfg = load_config([f"trainer.gpu_memory_gb={sys.argv[2]}"] + json.loads(sys.argv[3]), [sys.argv[1]])
+p, path = P.plan_from_config(cfg)
+rows = []
+for r in P.simulate_plan(p, json.loads(path.read_text())):
+    for phase, total in P.simulated_totals(p, r).items():
+        rows.append([r.stage, phase, total, p.total(r.stage, phase), r.passes[phase], r.steps.get(phase, 0), r.seconds])
+print(json.dumps(rows))
+"""
+
+
+def simulate(recipe: str, gpu_memory_gb: float) -> dict:
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", ONE, str(REPO / "parallel_configs" / f"{recipe}.yaml"), str(gpu_memory_gb),
+                        json.dumps(LAUNCH_OVERRIDES.get(recipe, []))], capture_output=True, text=True, cwd=REPO)
+    out = {"seconds": round(time.monotonic() - start, 1)}
+    if p.returncode != 0:
+        lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+        out["error"] = lines[-1][:300] if lines else f"exit {p.returncode}"
+        return out
+    out["rows"] = json.loads(p.stdout.strip().splitlines()[-1])
+    out["max_gap_pct"] = round(max(abs(sim / plan - 1) * 100 for _, _, sim, plan, *_ in out["rows"]), 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipes", nargs="*", help="parallel_configs/ names (default: all)")
+    ap.add_argument("--quick", action="store_true", help="the smallest recipe only")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    args = ap.parse_args()
+    recipes = args.recipes or sorted(p.stem for p in (REPO / "parallel_configs").glob("*.yaml"))
+    if args.quick:
+        recipes = ["qwen2.5_0.5b"]
+    summary = {}
+    print(f"{'recipe':<16} {'stage':>5} {'phase':<14} {'simulated':>9} {'planned':>9} {'gap':>6}  "
+          "(GiB per GPU; simulated, not measured on a GPU)")
+    for recipe in recipes:
+        res = simulate(recipe, args.gpu_memory_gb)
+        if "error" in res:
+            print(f"{recipe:<16} simulation failed after {res['seconds']} s: {res['error']}")
+        for stage, phase, sim, plan, *_ in res.get("rows", []):
+            print(f"{recipe:<16} {stage:>5} {phase:<14} {sim / GiB:9.1f} {plan / GiB:9.1f} {(sim / plan - 1) * 100:+5.0f}%")
+        summary[recipe] = {k: v for k, v in res.items() if k != "rows"}
+        print(f"{recipe:<16} wall time {res['seconds']} s", flush=True)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

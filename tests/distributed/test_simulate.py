@@ -1,0 +1,134 @@
+"""megappo.simulate: a small but real simulation (a tiny Qwen3 at TP2 x PP2 x DP2 on a fake world
+of 8 ranks, one process). Its state bytes against a hand count of the model's parameters and the
+bytes per parameter megatron's buffers hold; its accounting of fake tensors against the same
+run on real tensors; and ``python -m megappo.plan --simulate``'s output."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+H, F, L, HEADS, GROUPS, D, V = 256, 512, 4, 4, 2, 64, 1000
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": F,
+        "num_hidden_layers": L, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "head_dim": D,
+        "vocab_size": V, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0}
+
+SCRIPT = """
+import dataclasses, json, sys
+from megappo import plan as P, simulate as S
+hf, tp, pp, dp, fake = json.loads(sys.argv[1]), *map(int, sys.argv[2:6])
+role = lambda **kw: P.RoleOptions(train_tokens=512, forward_tokens=512, **kw)
+o = P.PlanOptions(tp=tp, pp=pp, dp=dp, micro_batches=4, actor=role(), critic=role(recompute="full"))
+print(json.dumps([dataclasses.asdict(S.simulate_stage(hf, o, s, fake=bool(fake))) for s in range(pp)]))
+"""
+
+
+def _simulate(tp, pp, dp, fake=True):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TINY), str(tp), str(pp), str(dp), str(int(fake))],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _hand_count(tp, stage, pp, critic):
+    """Parameters of one TP rank of a stage, from the config's shapes: q, k, v and o projections,
+    SwiGLU's three matrices (split over TP), the two layer norms and the q/k norms (whole); the
+    embedding (vocabulary padded to 128 x TP) on the first stage; the final norm and the output
+    layer (the critic: a (1, H) head and its bias) on the last."""
+    layer = (H * HEADS * D + 2 * H * GROUPS * D + HEADS * D * H + 3 * H * F) // tp + 2 * H + 2 * D
+    vocab = -(-V // (128 * tp)) * 128 * tp // tp
+    n = L // pp * layer
+    if stage == 0:
+        n += vocab * H
+    if stage == pp - 1:
+        n += H + (H + 1 if critic else vocab * H)
+    return n
+
+
+@pytest.fixture(scope="module")
+def tp2pp2dp2():
+    return _simulate(2, 2, 2)
+
+
+def test_state_bytes_equal_a_hand_count_of_the_parameters(tp2pp2dp2):
+    assert [r["rank"] for r in tp2pp2dp2] == [0, 4]        # TP rank 0, DP rank 0 of each stage
+    for r in tp2pp2dp2:
+        for role, st in r["state"].items():
+            n = _hand_count(2, r["stage"], 2, role == "critic")
+            assert r["parameters"][role] == n, (r["stage"], role)
+            # bf16 weights (the fake mode adds one 4-byte scalar once, with the first model)
+            assert 0 <= st["weights"] - 2 * n <= 4, (r["stage"], role, st)
+            # DDP: an fp32 gradient buffer and a bf16 parameter buffer of N >= n elements (padded
+            # to multiples of 128), the weights moving into the latter
+            N = st["buffer_elements"]
+            assert N % 128 == 0 and n <= N < n + 128 * 16, (n, N)
+            assert st["grads"] == 4 * N + 2 * N - 2 * n
+            # distributed optimizer over DP2: fp32 main weights + Adam's two moments of this
+            # rank's N / 2 elements less the padding among them, and a 4-byte step counter per
+            # parameter tensor of the shard
+            assert 12 * (N // 2 - (N - n)) <= st["optimizer"] <= 12 * N // 2 + 4 * 16, st
+
+
+def test_phases_have_their_passes_peaks(tp2pp2dp2):
+    last = tp2pp2dp2[1]
+    # the last stage's log-prob pass holds at least the bf16 logits of 512 tokens x V / TP
+    assert last["passes"]["old_log_prob"] >= 512 * (1024 // 2) * 2
+    for r in tp2pp2dp2:
+        assert set(r["transient"]) == {"old_log_prob", "values", "update_critic", "update_actor"}
+        # full recomputation keeps less of the critic's layers than the actor keeps without it
+        assert r["passes"]["update_critic"] < r["passes"]["update_actor"]
+        assert r["steps"]["update_actor"] > 0
+
+
+def test_fake_tensors_account_as_real_tensors_allocate():
+    fake, real = _simulate(1, 1, 1), _simulate(1, 1, 1, fake=False)
+    for key in ("parameters", "transient", "passes", "steps"):
+        assert fake[0][key] == real[0][key], key
+    for role in ("actor", "critic"):
+        f, r = fake[0]["state"][role], real[0]["state"][role]
+        assert 0 <= f.pop("weights") - r.pop("weights") <= 4 and f == r
+
+
+def test_plan_simulate_prints_simulated_beside_planned(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    r = subprocess.run([sys.executable, "-m", "megappo.plan", "--simulate", "--stage", "1", "--config",
+                        "parallel_configs/qwen3_8b.yaml", "--model-config", str(tmp_path / "config.json"),
+                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512", "critic.ppo_max_token_len_per_gpu=512",
+                        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
+                        "critic.forward_max_token_len_per_gpu=512", "trainer.gpu_memory_gb=80"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "simulated memory per GPU (simulated, not measured on a GPU)" in out and "TP2 PP2 DP2, world 8" in out
+    assert "pipeline stage 1 (rank 4" in out and "pipeline stage 0 (rank" not in out
+    for phase in ("old_log_prob", "values", "update_critic", "update_actor"):
+        assert any(line.split()[:1] == [phase] and line.count("GiB") == 2 for line in out.splitlines()
+                   if "rank" not in line), phase
+
+
+def test_mixture_of_experts_simulates_with_balanced_routing():
+    """A tiny Qwen3-MoE at EP2 over DP2 (world 2): each rank holds half the experts, whole; the
+    distributed optimizer shards the dense parameters over DP2 and the experts over their
+    expert-data-parallel group (TP x DP / EP = 1 rank); the passes run on balanced routing."""
+    E, K, FE = 4, 2, 128
+    moe = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=E,
+               num_experts_per_tok=K, moe_intermediate_size=FE, mlp_only_layers=[], decoder_sparse_step=1)
+    script = SCRIPT.replace("P.PlanOptions(tp=tp", "P.PlanOptions(ep=2, tp=tp").replace(
+        ", critic=role(recompute=\"full\")", "")
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(moe), "1", "1", "2", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (res,) = json.loads(r.stdout.strip().splitlines()[-1])
+    experts = L * (E // 2) * 3 * H * FE
+    dense = L * (H * HEADS * D + 2 * H * GROUPS * D + HEADS * D * H + 2 * H + 2 * D + H * E) + 2 * 1024 * H + H
+    assert res["parameters"]["actor"] == dense + experts
+    st = res["state"]["actor"]
+    # bf16 weights, plus the router's small per-layer buffers (token counts per expert)
+    assert 0 <= st["weights"] - 2 * (dense + experts) <= 4 + L * 64
+    assert 12 * (dense // 2 + experts) <= st["optimizer"] <= 12 * (dense // 2 + experts) + 12 * 128 * 4 + 4 * 64
+    assert set(res["transient"]) == {"old_log_prob", "update_actor"} and res["passes"]["update_actor"] > 0
