@@ -21,7 +21,8 @@ A rank whose main thread is blocked (a deadlocked collective, a hung reward or t
 beats. So each beat also carries how long the main thread has been *blocked*: its innermost
 Python frame has not moved and it has used no CPU time (read from /proc) since then. Rank 0 ends
 the job when every live rank has been blocked for the silence (the slow allowance while any rank
-is in a slow phase or still starting): nobody is computing, so nobody will. The message lists
+is in a slow phase, in the user's reward code -- which may wait on a pool or a remote sandbox for
+minutes -- or still starting): nobody is computing, so nobody will. The message lists
 the ranks by phase, the odd one out first -- the rank in ``reward`` while the others wait in a
 collective is the one to look at. Not caught this way: a rank spinning in Python (its frames
 move), or one waiting on a GPU with a spinning synchronisation (it uses CPU time); those end at
@@ -36,9 +37,12 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-__all__ = ["phase", "in_phase", "current", "set_step", "start", "stop", "Watchdog", "SLOW"]
+__all__ = ["phase", "in_phase", "current", "set_step", "start", "stop", "Watchdog", "SLOW", "USER"]
 
 SLOW = "slow"   # phase(name, allowance=SLOW): the silence allowed is trainer.watchdog_slow_phase_s
+# phase(name, allowance=USER): the user's code (a reward function) may wait long on work done
+# elsewhere (a thread pool, a remote sandbox): blocked, it is allowed trainer.watchdog_slow_phase_s
+USER = "user"
 _PREFIX = "megappo/heartbeat/"
 # (phase, step, allowance): replaced whole, so the beat thread always reads a consistent triple
 _now: tuple = ("start", 0, None)
@@ -107,8 +111,7 @@ class Watchdog:
 
     def beat_value(self, blocked: float = 0.0) -> str:
         name, step, allowance = _now
-        return (f"{self.beats}|{name}|{step}|{'slow' if allowance == SLOW else ''}|{self.host}|{self.pid}"
-                f"|{blocked:.0f}")
+        return f"{self.beats}|{name}|{step}|{allowance or ''}|{self.host}|{self.pid}|{blocked:.0f}"
 
     def blocked_for(self, now: float) -> float:
         """Seconds the main thread has not moved (same frame and instruction) nor used CPU time."""
@@ -194,7 +197,7 @@ class Watchdog:
         parts = {r: v.split("|") for r, v in beats.items()}
         if any(len(p) < 7 for p in parts.values()):
             return
-        slow = any(p[3] == "slow" or p[1] == "start" for p in parts.values())
+        slow = any(p[3] in (SLOW, USER) or p[1] == "start" for p in parts.values())
         limit = self.slow if slow else self.silence
         # each beat says how long its rank had been blocked when written (up to an interval ago)
         least = min(float(p[6]) for p in parts.values())

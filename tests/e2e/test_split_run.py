@@ -121,7 +121,7 @@ def test_one_step_off_lags_one_version_and_resumes_exactly(tiny):
 
 
 def _run_with_slow_update(rank, world, setup, run_dir, steps, extra, port):
-    """_run with every training rank's first actor update 15 s long."""
+    """_run with every training rank's first actor update 15 s longer."""
     import time
 
     from megappo.workers import Actor
@@ -131,7 +131,9 @@ def _run_with_slow_update(rank, world, setup, run_dir, steps, extra, port):
     def slow(self, *a, **k):
         if not getattr(Actor, "_slept", False):
             Actor._slept = True
-            time.sleep(15)
+            end = time.time() + 15
+            while time.time() < end:   # working, not sleeping: a long step uses CPU (the watchdog
+                sum(range(1000))       # ends a job whose every rank is blocked)
         return update(self, *a, **k)
 
     Actor.update_policy = slow

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megappo import algo
+from megappo import algo, watchdog
 from megappo.batch import RolloutBatch
 
 __all__ = ["Scores", "Scorer"]
@@ -50,7 +50,8 @@ class Scorer:
 
     def __call__(self, batch: RolloutBatch, items) -> Scores:
         details, metrics = [], {}
-        with self.timer("reward"):
+        # the reward function may wait long on work elsewhere: the watchdog allows it the slow limit
+        with watchdog.phase("reward", watchdog.USER), self.timer("reward"):
             if self.reward_model is None:
                 tls = self.rule_scores(batch, items, details)
             else:
