@@ -51,3 +51,35 @@ def spawn(fn, world: int, *args) -> None:
         mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
     finally:
         end_new_descendants(before)
+
+
+def _each(rank, world, calls):
+    import traceback
+
+    for fn, args, error_file in calls:
+        try:
+            fn(rank, world, *args)
+        except Exception:
+            with open(f"{error_file}.rank{rank}", "w") as f:
+                f.write(traceback.format_exc())
+
+
+def spawn_each(world: int, calls) -> None:
+    """Run several ``(fn, args, error_file)`` calls one after another in ONE world of ``world``
+    processes (a spawned world costs seconds of imports; tests that can share one should). A call
+    that raises writes its traceback to ``error_file.rank<r>`` and the next call runs; read it back
+    with :func:`raise_if_failed`. Each call sets up its own parallel state (``mcore.setup`` resets
+    megatron's). A call that fails on some ranks only can leave the others in a collective: share
+    multi-rank worlds only between calls that fail everywhere or nowhere."""
+    spawn(_each, world, list(calls))
+
+
+def raise_if_failed(error_file) -> None:
+    """Fail the calling test with the traceback a :func:`spawn_each` call left, if any."""
+    import glob
+
+    import pytest
+
+    for path in sorted(glob.glob(f"{error_file}.rank*")):
+        with open(path) as f:
+            pytest.fail(f"{os.path.basename(path)}:\n{f.read()}", pytrace=False)

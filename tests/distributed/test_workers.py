@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn, spawn_each
 from megappo import algo
 from mcore import build, setup, random_batch
 
@@ -66,11 +66,26 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ref") / "r.json")
-    spawn(_worker, 1, 1, 1, 2, model_dir, out)
-    with open(out) as f:
+def single(model_dir, tmp_path_factory):
+    """Every single-rank run of this file in one spawned process: name -> its output file."""
+    root = tmp_path_factory.mktemp("single")
+    runs = {"reference": (_worker, (1, 1, 2, model_dir)), "lr": (_lr_worker, (model_dir,)),
+            "modes": (_loss_mode_worker, (model_dir,)), "is": (_rollout_is_worker, (model_dir,)),
+            "rs": (_rejection_worker, (model_dir,))}
+    outs = {name: str(root / f"{name}.json") for name in runs}
+    spawn_each(1, [(fn, (*args, outs[name]), outs[name] + ".error") for name, (fn, args) in runs.items()])
+    return outs
+
+
+def _result(single, name):
+    raise_if_failed(single[name] + ".error")
+    with open(single[name]) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    return _result(single, "reference")
 
 
 @pytest.mark.parametrize("world, tp, pp, micro, max_tokens", [
@@ -106,11 +121,8 @@ def _lr_worker(rank, world, dirs, out_file):
         json.dump(lrs, f)
 
 
-def test_lr_warmup_then_linear_decay(model_dir, tmp_path):
-    out = str(tmp_path / "lr.json")
-    spawn(_lr_worker, 1, model_dir, out)
-    with open(out) as f:
-        lrs = json.load(f)
+def test_lr_warmup_then_linear_decay(single):
+    lrs = _result(single, "lr")
     want = [0.0, 5e-4, 1e-3] + [1e-3 - (1e-3 - 1e-4) * k / 4 for k in (1, 2, 3, 4)] + [1e-4]
     assert lrs == pytest.approx(want, rel=1e-6, abs=1e-12)
 
@@ -152,13 +164,10 @@ def _loss_mode_worker(rank, world, dirs, out_file):
         json.dump(out, f)
 
 
-def test_the_actor_uses_the_configured_policy_loss(model_dir, tmp_path):
+def test_the_actor_uses_the_configured_policy_loss(single):
     """actor.policy_loss.loss_mode reaches the update: each mode's first mini-batch loss is that
     loss on the batch (two micro-batches, global counts), and the modes differ."""
-    out = str(tmp_path / "modes.json")
-    spawn(_loss_mode_worker, 1, model_dir, out)
-    with open(out) as f:
-        got = json.load(f)
+    got = _result(single, "modes")
     assert sorted(k for k in got if "/" not in k) == algo.list_policy_losses()
     for mode, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), mode
@@ -189,13 +198,10 @@ def _rollout_is_worker(rank, world, dirs, out_file):
         json.dump(out, f)
 
 
-def test_rollout_correction_weights_reach_the_update(model_dir, tmp_path):
+def test_rollout_correction_weights_reach_the_update(single):
     """The batch's rollout_is_weights multiply the actor's token losses (two micro-batches,
     global counts): the loss is the host's weighted loss, and not the unweighted one."""
-    out = str(tmp_path / "is.json")
-    spawn(_rollout_is_worker, 1, model_dir, out)
-    with open(out) as f:
-        got = json.load(f)
+    got = _result(single, "is")
     for name, (actor, host) in got.items():
         assert actor == pytest.approx(host, abs=1e-5), name
     assert abs(got["token"][0] - got["off"][0]) > 1e-3
@@ -236,11 +242,8 @@ def _rejection_worker(rank, world, dirs, out_file):
         json.dump(out, f)
 
 
-def test_rejection_sampling_reaches_the_actor_loss(model_dir, tmp_path):
-    out = str(tmp_path / "rs.json")
-    spawn(_rejection_worker, 1, model_dir, out)
-    with open(out) as f:
-        got = json.load(f)
+def test_rejection_sampling_reaches_the_actor_loss(single):
+    got = _result(single, "rs")
     for mode, (actor, want, plain) in got.items():
         assert actor == pytest.approx(want, abs=1e-5), mode
         assert abs(want - plain) > 1e-3, mode    # without the mask the loss would differ
