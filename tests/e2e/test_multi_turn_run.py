@@ -3,7 +3,8 @@ trains on them. A tiny random model never writes a valid tool call, so every mod
 as one and cut at 6 tokens (the loop, the engine, the tools and the trainer are the real ones).
 Checks: the megatron actor's log-probs equal the engine's on every model token (1e-4), tool
 tokens are exactly the template's tool turns and outside the response mask, and two steps of
-PPO with GAE and a critic log the turn metrics."""
+PPO with GAE and a critic (token-budget micro-batches, so each is cut to its longest
+conversation) log the turn metrics."""
 import json
 import math
 import sys
@@ -46,7 +47,9 @@ def _run(rank, world, setup, tools_yaml, run_dir, out):
                        f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
                        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1",
                        "data.max_response_length=48", f"{R}enable=true", f"{R}tool_config_path={tools_yaml}",
-                       f"{R}max_assistant_turns=3"], ["tiny_cpu"])
+                       f"{R}max_assistant_turns=3", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160"],
+                      ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
     trainer = PPOTrainer(cfg)
