@@ -374,3 +374,33 @@ def test_engine_log_probs_equal_a_full_forward_on_multi_turn_samples(tmp_path):
         assert (got[mask] - ref[mask]).abs().max().item() < 1e-4
         assert (got[~mask] == 0).all()
     assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 6
+
+
+def test_the_reward_function_reads_the_whole_conversation_and_its_turns(tok):
+    """The rule/custom reward decodes every token after the prompt (tool turns included), gets
+    the turn information in extra_info, and its score sits on the conversation's last token."""
+    from megappo.config import load_config
+    from megappo.data import PromptItem
+    from megappo.rollout import SamplingConfig
+    from megappo.trainer.scoring import Scorer
+    from megappo.trainer.turns import MultiTurnRollout
+
+    prompts = [render(tok, [{"role": "user", "content": "What is x?"}], gen=True)]
+    items = [PromptItem(prompts[0], "src", "7", {"tools_kwargs": {"lookup": {"create_kwargs": {"table": {"x": "7"}}}}})]
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
+    mt = MultiTurnRollout(cfg, ScriptedRollout(tok, prompts, [[lookup("x"), "x is 7."]]), tok,
+                          ToolRunner({"lookup": Lookup()}), pad_id=tok.pad_token_id)
+    batch, its, _ = mt.rollout(items, SamplingConfig(n=1, max_tokens=300, seed=0), rank=0, world=1)
+    seen = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info):
+        seen.append((solution_str, dict(extra_info)))
+        return float(extra_info["num_turns"]) + extra_info["rollout_reward_scores"]["lookup"]
+
+    scores = Scorer(cfg, tok, reward, None, None, None, None, None, None).rule_scores(batch, its)
+    text, extra = seen[0]
+    # decoded as verl's reward managers decode (special tokens skipped): the tool's answer is in it
+    assert text.startswith('\n{"name": "lookup"') and text.endswith("user\n\n7\n\nassistant\nx is 7.")
+    assert extra["num_turns"] == 4 and extra["tool_rewards"] == [0.5]
+    n = int(batch.response_lengths[0])
+    assert scores[0, n - 1] == 5.0 and scores.sum() == 5.0 and batch.response_mask[0, n - 1] == 1
