@@ -179,7 +179,6 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
 
 @pytest.mark.parametrize("override, reason", [
     ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "would run every tool call on each of its ranks"),
     ("algorithm.filter_groups.enable=true", "dynamic sampling"),
     ("reward_model.enable=true", "a reward model"),
     ("actor_rollout_ref.model.use_remove_padding=true", "sequence packing"),

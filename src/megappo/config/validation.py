@@ -380,14 +380,10 @@ def _multi_turn(cfg: PPOConfig, need: Need) -> None:
 def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
     """Why multi_turn.enable cannot run with these settings (None: it can). Multi-turn runs on the
     colocated engine, synchronously; the combinations below are not implemented with tool turns."""
-    a, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+    a = cfg.actor_rollout_ref
     if not a.hybrid_engine:
         return ("the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool "
                 "turns yet: the rollout ranks' generation serves single turns only; use the colocated engine")
-    if ro.tensor_model_parallel_size > 1:
-        return (f"rollout.tensor_model_parallel_size={ro.tensor_model_parallel_size}: a replica over several ranks "
-                "would run every tool call on each of its ranks, and answers that differ between them (a timeout "
-                "on one) would feed its ranks different prompts; use rollout.tensor_model_parallel_size=1")
     if cfg.algorithm.filter_groups.enable:
         return "DAPO's dynamic sampling (algorithm.filter_groups.enable) is not run with tool turns yet"
     if cfg.reward_model.enable:

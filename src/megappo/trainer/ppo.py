@@ -88,7 +88,8 @@ class PPOTrainer:
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=self.last_step, project=tr.project_name,
                                     experiment=tr.experiment_name, config=to_dict(cfg))
-        turns = MultiTurnRollout(cfg, self.engine, self.tokenizer, self.tools, self.pad_id) if self.tools else None
+        turns = (MultiTurnRollout(cfg, self.engine, self.tokenizer, self.tools, self.pad_id, self.rank, self.world)
+                 if self.tools else None)
         self.generation = Generation(cfg, self.engine, self.train_data, self.sampler, self.pad_id, self.rank,
                                      self.world, self.split is not None, self.timer, turns)
         self.scorer = Scorer(cfg, self.tokenizer, custom_reward, self.reward_model, self.batching.reward,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megappo.batch import RolloutBatch
 from megappo.seeds import prompt_seed
 
-__all__ = ["MultiTurnRollout", "tool_runner_of", "merge_turn_metrics"]
+__all__ = ["MultiTurnRollout", "ReplicaTools", "replica_tools", "tool_runner_of", "merge_turn_metrics"]
 
 
 def tool_runner_of(cfg):
@@ -32,13 +32,54 @@ def tool_runner_of(cfg):
     return tool_runner(mt) if mt.enable else None
 
 
+class ReplicaTools:
+    """The tools of a rollout replica over several ranks (rollout TP > 1): the replica's first
+    rank runs every call and each of its ranks gets that rank's answers, so all of them feed the
+    engine the same prompts. Answers may differ between two runs of a call (a timeout, a tool
+    with state or randomness), and ranks fed different prompts would desynchronise the engine.
+    Collective over ``group``: the loop calls it on every rank in the same order."""
+
+    def __init__(self, runner, group, leader: int, is_leader: bool):
+        self.runner, self.group, self.leader, self.is_leader = runner, group, leader, is_leader
+
+    def _shared(self, fn):
+        box = [fn() if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        return box[0]
+
+    def run_turn(self, samples: list, calls: list, tools_kwargs=None) -> list:
+        return self._shared(lambda: self.runner.run_turn(samples, calls, tools_kwargs))
+
+    def finish(self, sample) -> dict:
+        return self._shared(lambda: self.runner.finish(sample))
+
+    def pop_metrics(self) -> dict:
+        return self._shared(self.runner.pop_metrics)
+
+
+def replica_tools(runner, rank: int, world: int, rollout_tp: int):
+    """``runner`` as this rank's replica uses it: itself for one-rank replicas, else a
+    :class:`ReplicaTools` over the replica's ranks. Collective over the world (every rank
+    creates every replica's group, in order)."""
+    if rollout_tp == 1:
+        return runner
+    mine = None
+    for first in range(0, world, rollout_tp):
+        group = dist.new_group(list(range(first, first + rollout_tp)), backend="gloo")
+        if first <= rank < first + rollout_tp:
+            mine = ReplicaTools(runner, group, first, rank == first)
+    return mine
+
+
 class MultiTurnRollout:
     """``rollout(items, sampling, rank, world)`` -> (batch, one item per sample, metrics)."""
 
-    def __init__(self, cfg, engine, tokenizer, runner, pad_id: int):
+    def __init__(self, cfg, engine, tokenizer, runner, pad_id: int, rank: int = 0, world: int = 1):
         from megappo.rollout import ToolTurnTokens, loop_settings
 
-        self.cfg, self.engine, self.runner, self.pad_id = cfg, engine, runner, pad_id
+        rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.cfg, self.engine, self.pad_id = cfg, engine, pad_id
+        self.runner = replica_tools(runner, rank, world, rtp)
         self.loop = loop_settings(cfg.actor_rollout_ref.rollout.multi_turn)
         self.tool_turn = ToolTurnTokens(tokenizer, engine.eos_token_ids)
         # the parser reads the model's text as the template wrote it: <tool_call> may be a special token
