@@ -4,9 +4,10 @@ as one and cut at 6 tokens (the loop, the engine, the tools and the trainer are 
 Checks: the megatron actor's log-probs equal the engine's on every model token (1e-4), tool
 tokens are exactly the template's tool turns and outside the response mask, and two steps of
 PPO with GAE and a critic (token-budget micro-batches, so each is cut to its longest
-conversation) log the turn metrics."""
+conversation) log the turn metrics; a run resumed after step 1 repeats step 2 exactly."""
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def _scripted_turns():
         self, prompts, [min(m, 6) for m in max_tokens], seeds)
 
 
-def _run(rank, world, setup, tools_yaml, run_dir, out):
+def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
     import torch
 
     from megappo.config import load_config, validate
@@ -45,14 +46,17 @@ def _run(rank, world, setup, tools_yaml, run_dir, out):
     R = "actor_rollout_ref.rollout.multi_turn."
     cfg = load_config([f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
                        f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
-                       "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1",
+                       "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=1",
                        "data.max_response_length=48", f"{R}enable=true", f"{R}tool_config_path={tools_yaml}",
                        f"{R}max_assistant_turns=3", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160"],
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160", *extra],
                       ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
     trainer = PPOTrainer(cfg)
+    if trainer.resumed_from:   # resumed: the rest of the run only
+        trainer.fit()
+        return
     sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
     batch, items = trainer.generation.generate(0, sampling, 1)
     lp = trainer.actor.compute_log_prob(batch, **trainer.batching.old_log_prob.kwargs())
@@ -103,3 +107,16 @@ def test_multi_turn_ppo_on_cpu(tmp_path):
         # the length counts the tool turns
         assert 2 * r["delta"] < m["response_length/mean"] <= 18 + 2 * r["delta"]
     assert "val-core/synthetic/echo/reward/mean@1" in steps[-1]
+
+    # stopped after step 1 and resumed: step 2 draws and trains exactly as the straight run did
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "run" / "global_step_1", resumed / "global_step_1")
+    (resumed / "latest").write_text("1")
+    spawn(_run, 2, setup, str(tools), str(resumed), str(out), ["trainer.resume_mode=auto"])
+    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    again = next(row for row in rows if row["step"] == 2)
+    clock = ("timing_s/", "perf/", "tools/seconds", "tools/max_call_seconds", "agent_loop/tool_calls/")   # wall clock
+    stable = {k: v for k, v in steps[1].items() if not k.startswith(clock)}
+    assert len(stable) > 50 and "actor/pg_loss" in stable and "num_turns/mean" in stable
+    assert {k: again[k] for k in stable} == stable
