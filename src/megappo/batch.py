@@ -3,6 +3,11 @@
 Sequences are stored right-padded and unshifted: row i is ``prompt_i + response_i + pad``, so the
 causal mask alone is exact (no token ever attends to padding that precedes it) and position ids
 are ``0..S-1``. Response-aligned tensors are ``(B, T)`` with ``T`` the longest response.
+
+Two masks: ``response_mask`` is what the policy is trained on (losses, advantages, KL, entropy,
+as verl's ``response_mask``); ``valid_mask`` is what the sequence holds (lengths, micro-batches,
+packing). They differ only for multi-turn samples, whose tool turns sit inside the response:
+attended and positioned like any token, but not the policy's actions.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ class RolloutBatch:
     input_ids: torch.Tensor                        # (B, S) long: prompt + response, right-padded
     prompt_lengths: torch.Tensor                   # (B,) long
     responses: torch.Tensor                        # (B, T) long, right-padded
-    response_mask: torch.Tensor                    # (B, T) float: 1 on response tokens (up to and incl. EOS)
+    response_mask: torch.Tensor                    # (B, T) float: 1 on the tokens the policy generated and trains on
     prompt_index: Optional[torch.Tensor] = None    # (B,) long: group id (samples of one prompt share it)
     old_log_prob: Optional[torch.Tensor] = None    # (B, T)
     ref_log_prob: Optional[torch.Tensor] = None    # (B, T)
@@ -36,12 +41,17 @@ class RolloutBatch:
     sample_index: Optional[torch.Tensor] = None    # (B,) long: the sample's row in the step's global batch
     cov_selected: Optional[torch.Tensor] = None    # (B, T) bool: Clip-Cov/KL-Cov's tokens (algo.cov_selection)
     rollout_rs_mask: Optional[torch.Tensor] = None  # (B, T) float: 1 where rejection sampling keeps the token
+    # (B, T) float: 1 on every response token in the sequence, the model's and the tool turns'
+    # (multi-turn); None: the response mask (one turn: every token after the prompt is the model's)
+    sequence_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_prompts_and_responses(cls, prompts: Sequence[Sequence[int]], responses: torch.Tensor,
                                    response_mask: torch.Tensor, pad_token_id: int, **fields) -> "RolloutBatch":
-        """Build from per-sample prompt ids and the rollout's (B, T) responses and mask."""
-        lengths = response_mask.sum(-1).long()
+        """Build from per-sample prompt ids and the rollout's (B, T) responses and mask (and, for
+        multi-turn samples, ``sequence_mask`` among ``fields``: the lengths come from it)."""
+        seq = fields.get("sequence_mask")
+        lengths = (response_mask if seq is None else seq).sum(-1).long()
         p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         S = int((p_len + lengths).max())
         ids = torch.full((len(prompts), S), pad_token_id, dtype=torch.long)
@@ -52,9 +62,20 @@ class RolloutBatch:
         return cls(ids, p_len, responses, response_mask.float(), **fields)
 
     @property
+    def valid_mask(self) -> torch.Tensor:
+        """(B, T) the response tokens the sequence holds (attended, with positions): with tool
+        turns more than the response mask, which the losses, advantages and KL read."""
+        return self.response_mask if self.sequence_mask is None else self.sequence_mask
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) long: tokens after each prompt, tool turns included."""
+        return self.valid_mask.sum(-1).long()
+
+    @property
     def loss_mask(self) -> torch.Tensor:
         """(B, T) the tokens every loss (and its normaliser) counts: the response tokens less those
-        rollout correction's rejection sampling dropped. Lengths still come from response_mask."""
+        rollout correction's rejection sampling dropped. Lengths come from valid_mask."""
         return self.response_mask if self.rollout_rs_mask is None else self.response_mask * self.rollout_rs_mask
 
     def __len__(self) -> int:

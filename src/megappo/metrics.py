@@ -203,7 +203,7 @@ def data_metrics(batch: RolloutBatch, max_response_length: int, group=None) -> d
             out["critic/vf_explained_var"] = _explained_var(batch.returns[m.bool()], batch.values[m.bool()], group)
     if batch.advantages is not None or batch.values is not None:
         out.update(critic_diagnostics(batch, max_response_length, group))
-    lengths = m.sum(-1)
+    lengths = batch.valid_mask.sum(-1)   # tool turns included, as verl's (from the attention mask)
     out.update(_stats("response_length", lengths, group=group))
     out["response_length/clip_ratio"] = _stats("clip", (lengths >= max_response_length).double(), group=group)["clip/mean"]
     out.update(_stats("prompt_length", batch.prompt_lengths.double(), group=group))

@@ -7,6 +7,7 @@ prompts are split over rollout replicas, the placement, or whether the run was r
   (:data:`TRAIN`, :data:`VALIDATION`, :func:`dynamic_round_salt` for DAPO's extra rounds);
 - :func:`prompt_seed`: prompt ``i`` of a batch samples with seeds ``prompt_seed .. + n - 1``
   (vLLM adds the sample index for each of the ``n`` children);
+- :func:`turn_seed`: a multi-turn sample's model turn ``k`` (turn 0 draws what one turn would);
 - :func:`mini_batch_seed`: the seed of one PPO mini-batch's random choices (Clip-Cov's tokens),
   from the optimizer's step count, which a resumed run restores.
 
@@ -15,7 +16,7 @@ Model initialisation and vLLM's engine take ``actor_rollout_ref.actor.megatron.s
 from __future__ import annotations
 
 __all__ = ["TRAIN", "VALIDATION", "dynamic_round_salt", "epoch_seed", "batch_seed", "prompt_seed",
-           "mini_batch_seed"]
+           "turn_seed", "mini_batch_seed"]
 
 TRAIN, VALIDATION = 0, 1
 
@@ -37,6 +38,14 @@ def batch_seed(data_seed: int, step: int, salt: int) -> int:
 def prompt_seed(first: int, index: int, n: int) -> int:
     """The first seed of prompt ``index`` of a batch whose first prompt samples from ``first``."""
     return first + index * n
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of a multi-turn sample's model turn ``turn``. Each turn is a new engine request;
+    reusing the sample's seed would replay the same random draws on every turn."""
+    if turn == 0:
+        return sample_seed
+    return (sample_seed * 2_654_435_761 + turn * 40_503) % (1 << 40)
 
 
 def mini_batch_seed(optimizer_steps: int, epoch: int, index: int) -> int:

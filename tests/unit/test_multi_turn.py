@@ -3,7 +3,7 @@ turn continuing from the previous token ids, the stop rules."""
 import pytest
 
 from megappo.rollout import MultiTurnSample, ToolTurnTokens, loop_settings, multi_turn_generate, tool_runner
-from megappo.tools import Calculator, ToolCall, ToolRunner, parse_hermes
+from megappo.tools import Calculator, Tool, ToolCall, ToolRunner, function_schema, parse_hermes
 
 # Qwen2.5's chat template, its plain-message and tool-response parts (tool calls written by the
 # model stay in the assistant content, as the model emitted them)
@@ -177,17 +177,152 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
     assert loop_settings(mt) == dict(parse=parse_hermes, max_assistant_turns=4, max_user_turns=None)
 
 
-def test_the_trainer_refuses_multi_turn_even_without_validation():
+@pytest.mark.parametrize("override, reason", [
+    ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
+    ("algorithm.filter_groups.enable=true", "dynamic sampling"),
+    ("reward_model.enable=true", "a reward model"),
+    ("actor_rollout_ref.model.use_remove_padding=true", "sequence packing"),
+])
+def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_validation(override, reason):
     from megappo import builders
-    from megappo.config import load_config
+    from megappo.config import ConfigError, load_config, validate
+
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", override], ["tiny_cpu"])
+    with pytest.raises(NotImplementedError, match="multi_turn.enable=true: .*" + reason):
+        builders.build_engine(cfg)
+    with pytest.raises(ConfigError, match=reason):
+        validate(cfg, check_paths=False)
+
+
+def test_multi_turn_validates_on_the_colocated_engine():
+    from megappo.config import load_config, multi_turn_unsupported, validate
 
     cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
-    with pytest.raises(NotImplementedError, match="multi-turn generation is not wired into the trainer yet"):
-        builders.build_engine(cfg)
+    validate(cfg, check_paths=False)
+    assert multi_turn_unsupported(cfg) is None
 
 
 def test_num_turns_counts_as_verls():
     assert MultiTurnSample([1], assistant_turns=3, user_turns=2).num_turns == 6
+
+
+# -- the trainer's multi-turn rollout over a scripted engine ----------------------------------------
+
+
+class Lookup(Tool):
+    """A table only this tool reads; each row's table comes from its create_kwargs."""
+
+    created: list = []
+
+    def __init__(self):
+        super().__init__({}, function_schema("lookup", "Read the table.", {"key": {"type": "string"}}, ["key"]))
+
+    def create(self, instance_id=None, **kwargs):
+        iid = super().create(instance_id)
+        Lookup.created.append(kwargs)
+        self.tables = getattr(self, "tables", {})
+        self.tables[iid] = kwargs["table"]
+        return iid
+
+    def execute(self, instance_id, parameters, **kwargs):
+        return self.tables[instance_id].get(parameters["key"], "missing"), 0.5, {}
+
+    def calc_reward(self, instance_id, **kwargs):
+        return 1.0
+
+
+class ScriptedRollout:
+    """VLLMRollout.generate's shape: prompt j's turn k is script[j][k] + EOS (k: the tool turns
+    after the prompt so far), log-prob of token t -(t % 7) / 10. Records each call's seeds."""
+
+    def __init__(self, tok, prompts, script):
+        self.tok, self.prompts, self.script, self.seeds = tok, prompts, script, []
+        self.eos_token_ids = [tok.eos_token_id]
+
+    def generate(self, prompts, sampling, seeds=None):
+        import torch
+
+        from megappo.rollout import RolloutOutput
+
+        self.seeds.append(list(seeds))
+        rows = []
+        for p in prompts:
+            j = next(j for j, q in enumerate(self.prompts) if p[:len(q)] == q)
+            k = p[len(self.prompts[j]):].count(self.tok.convert_tokens_to_ids("<tool_response>"))
+            rows.append((enc(self.tok, self.script[j][k]) + [self.tok.eos_token_id])[:sampling.max_tokens])
+        T = max(len(r) for r in rows)
+        resp = torch.zeros(len(rows), T, dtype=torch.long)
+        mask, lps = torch.zeros(len(rows), T), torch.zeros(len(rows), T)
+        for i, r in enumerate(rows):
+            resp[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1.0
+            lps[i, :len(r)] = torch.tensor([-(t % 7) / 10 for t in r])
+        return RolloutOutput(torch.arange(len(rows)), resp, mask, lps)
+
+
+def lookup(key):
+    return f'<tool_call>\n{{"name": "lookup", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
+
+
+def test_the_trainers_rollout_puts_tool_turns_in_the_sequence_and_out_of_the_loss_mask(tok):
+    """Two prompts x n=2 through MultiTurnRollout: the batch's rows are the conversations token
+    for token, response_mask exactly on the model's tokens, the engine's log-probs there and 0 on
+    tool tokens; each sample seeded as one turn would be, later turns by turn_seed; each row's
+    create_kwargs reach the tool; the reward function's extra_info carries the turns."""
+    from megappo.config import load_config
+    from megappo.data import PromptItem
+    from megappo.rollout import SamplingConfig
+    from megappo.seeds import turn_seed
+    from megappo.trainer.turns import MultiTurnRollout
+
+    Lookup.created = []
+    questions = ["What is x?", "Hi"]
+    prompts = [render(tok, [{"role": "user", "content": q}], gen=True) for q in questions]
+    script = [[lookup("x"), "x is 7."], ["Hello."]]
+    tables = [{"x": "7"}, {"x": "9"}]
+    items = [PromptItem(p, "src", "gt", {"tools_kwargs": {"lookup": {"create_kwargs": {"table": t}}}}, origin=f"f:{j}")
+             for j, (p, t) in enumerate(zip(prompts, tables))]
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true",
+                       "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"], ["tiny_cpu"])
+    engine = ScriptedRollout(tok, prompts, script)
+    mt = MultiTurnRollout(cfg, engine, tok, ToolRunner({"lookup": Lookup()}), pad_id=tok.pad_token_id)
+    batch, its, metrics = mt.rollout(items, SamplingConfig(n=2, max_tokens=300, seed=1000), rank=0, world=1)
+
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1]
+    delta = ToolTurnTokens(tok, [tok.eos_token_id])(["7"])
+    eos = [tok.eos_token_id]
+    want = [enc(tok, script[0][0]) + eos + delta + enc(tok, script[0][1]) + eos] * 2 + [enc(tok, script[1][0]) + eos] * 2
+    want_mask = [[1] * (len(enc(tok, script[0][0])) + 1) + [0] * len(delta) + [1] * (len(enc(tok, script[0][1])) + 1)] * 2
+    want_mask += [[1] * len(want[2])] * 2
+    for r in range(4):
+        n, p = len(want[r]), prompts[r // 2]
+        assert batch.input_ids[r, :len(p) + n].tolist() == p + want[r]
+        assert batch.response_lengths[r] == n and batch.sequence_mask[r].sum() == n
+        assert batch.response_mask[r, :n].tolist() == want_mask[r] and batch.response_mask[r, n:].sum() == 0
+        lp = batch.rollout_log_probs[r, :n]
+        assert lp.tolist() == pytest.approx([-(t % 7) / 10 if m else 0.0 for t, m in zip(want[r], want_mask[r])])
+    # the first turn draws what a one-turn rollout draws; the second turn of each conversation its own seed
+    assert engine.seeds == [[1000, 1001, 1002, 1003], [turn_seed(1000, 1), turn_seed(1001, 1)]]
+    assert Lookup.created == [{"table": {"x": "7"}}] * 2
+    assert [it.extra_info["num_turns"] for it in its] == [4, 4, 2, 2]
+    assert [it.extra_info["rollout_reward_scores"] for it in its] == [{"lookup": 1.0}] * 2 + [{}] * 2
+    assert [it.extra_info["tool_rewards"] for it in its] == [[0.5], [0.5], [], []]
+    assert "num_turns" not in items[0].extra_info          # the dataset's rows are not touched
+    assert (metrics["num_turns/min"], metrics["num_turns/max"], metrics["num_turns/mean"]) == (2, 4, 3)
+    assert metrics["tools/calls"] == 2
+
+
+def test_replica_metrics_merge_as_one_rollouts():
+    from megappo.trainer.turns import merge_turn_metrics
+
+    a = {"tools/calls": 3.0, "tools/seconds": 1.5, "tools/max_call_seconds": 0.9, "tools/errors/timeout": 1.0,
+         "num_turns/mean": 99.0}
+    b = {"tools/calls": 1.0, "tools/seconds": 0.5, "tools/max_call_seconds": 0.2}
+    samples = [MultiTurnSample([1], [5, 6], [1, 0], assistant_turns=2, user_turns=1, stop="no_tool_call"),
+               MultiTurnSample([1], [5], [1], assistant_turns=1, stop="no_tool_call")]
+    m = merge_turn_metrics([a, b], samples)
+    assert (m["tools/calls"], m["tools/seconds"], m["tools/max_call_seconds"], m["tools/errors/timeout"]) == (4, 2, 0.9, 1)
+    assert (m["num_turns/min"], m["num_turns/max"], m["num_turns/mean"]) == (2, 4, 3)
+    assert m["multi_turn/tool_token_share"] == pytest.approx(1 / 3) and m["multi_turn/stop/no_tool_call"] == 2
 
 
 # -- the real engine ----------------------------------------------------------------------------
@@ -238,3 +373,33 @@ def test_engine_log_probs_equal_a_full_forward_on_multi_turn_samples(tmp_path):
         assert (got[mask] - ref[mask]).abs().max().item() < 1e-4
         assert (got[~mask] == 0).all()
     assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 6
+
+
+def test_the_reward_function_reads_the_whole_conversation_and_its_turns(tok):
+    """The rule/custom reward decodes every token after the prompt (tool turns included), gets
+    the turn information in extra_info, and its score sits on the conversation's last token."""
+    from megappo.config import load_config
+    from megappo.data import PromptItem
+    from megappo.rollout import SamplingConfig
+    from megappo.trainer.scoring import Scorer
+    from megappo.trainer.turns import MultiTurnRollout
+
+    prompts = [render(tok, [{"role": "user", "content": "What is x?"}], gen=True)]
+    items = [PromptItem(prompts[0], "src", "7", {"tools_kwargs": {"lookup": {"create_kwargs": {"table": {"x": "7"}}}}})]
+    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
+    mt = MultiTurnRollout(cfg, ScriptedRollout(tok, prompts, [[lookup("x"), "x is 7."]]), tok,
+                          ToolRunner({"lookup": Lookup()}), pad_id=tok.pad_token_id)
+    batch, its, _ = mt.rollout(items, SamplingConfig(n=1, max_tokens=300, seed=0), rank=0, world=1)
+    seen = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info):
+        seen.append((solution_str, dict(extra_info)))
+        return float(extra_info["num_turns"]) + extra_info["rollout_reward_scores"]["lookup"]
+
+    scores = Scorer(cfg, tok, reward, None, None, None, None, None, None).rule_scores(batch, its)
+    text, extra = seen[0]
+    # decoded as verl's reward managers decode (special tokens skipped): the tool's answer is in it
+    assert text.startswith('\n{"name": "lookup"') and text.endswith("user\n\n7\n\nassistant\nx is 7.")
+    assert extra["num_turns"] == 4 and extra["tool_rewards"] == [0.5]
+    n = int(batch.response_lengths[0])
+    assert scores[0, n - 1] == 5.0 and scores.sum() == 5.0 and batch.response_mask[0, n - 1] == 1

@@ -211,6 +211,21 @@ def test_sampling_n_eos_and_mask(engine, models):
     assert out.response_mask.tolist() == [[1.0]] and out.finish_reasons == ["stop"]
 
 
+def test_per_prompt_seeds_draw_what_consecutive_seeds_draw(engine, models):
+    """``seeds=`` (multi-turn: each sample's seed of its turn) gives prompt i the seed it names:
+    the same draws as ``sampling.seed``'s consecutive seeds when they agree, others when not."""
+    _, a, _ = models
+    engine.sync_weights(iter(a.state_dict().items()))
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    s = SamplingConfig(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, seed=77)
+    base = engine.generate(prompts, s)
+    same = engine.generate(prompts, s, seeds=[77, 78, 79])
+    swapped = engine.generate(prompts[::-1], s, seeds=[79, 78, 77])
+    other = engine.generate(prompts, s, seeds=[1077, 78, 79])
+    assert torch.equal(base.responses, same.responses) and torch.equal(base.responses, swapped.responses.flip(0))
+    assert torch.equal(base.responses[1:], other.responses[1:]) and not torch.equal(base.responses[0], other.responses[0])
+
+
 def test_sampling_config_from_config():
     from megappo.config import load_config
 

@@ -482,3 +482,43 @@ def test_reinforce_is_verls_bypass_reinforce(level):
 
 def test_every_registered_loss_is_compared_with_verl_here():
     assert sorted([*VERL, "kl_cov", "clip_cov", "reinforce"]) == algo.list_policy_losses()
+
+
+# -- GAE over multi-turn responses (tool tokens masked inside) ----------------------------------
+
+def verl_gae(r, v, mask, gamma, lam):
+    """compute_gae_advantage_return: masked (observation) tokens pass the next value and the
+    running advantage through; masked_whiten with the unbiased variance."""
+    nextvalues, lastgaelam, rev = 0, 0, []
+    for t in reversed(range(r.shape[-1])):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * mask[:, t] + (1 - mask[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * mask[:, t] + (1 - mask[:, t]) * lastgaelam
+        rev.append(lastgaelam)
+    adv = torch.stack(rev[::-1], dim=1)
+    returns = adv + v
+    mean = _msum(adv, mask) / mask.sum()
+    var = _msum((adv - mean) ** 2, mask) / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    return (adv - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_over_tool_turns_is_verls_on_model_tokens(gamma, lam):
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 30
+    lengths = torch.randint(8, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(DT)
+    mask[:, 3:7] = 0          # a tool turn after the first model turn of every row
+    mask[::2, 12:15] = 0      # and a second one in half the rows
+    r = torch.zeros(B, T, dtype=DT)
+    r[torch.arange(B), lengths - 1] = torch.randn(B, generator=g, dtype=DT)   # the outcome on the last token
+    r += torch.randn(B, T, generator=g, dtype=DT) * 0.1 * mask                 # and a KL penalty per model token
+    v = torch.randn(B, T, generator=g, dtype=DT)
+    want_a, want_r = verl_gae(r, v, mask, gamma, lam)
+    a, ret = algo.compute_advantages("gae", token_level_rewards=r, values=v, response_mask=mask, gamma=gamma, lam=lam)
+    m = mask.bool()
+    torch.testing.assert_close(a[m], want_a[m], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ret[m], want_r[m], rtol=1e-9, atol=1e-9)
+    # the tool tokens carry nothing into the loss (megappo writes 0 there; verl's values there are never read)
+    assert (a[~m] == 0).all() and (ret[~m] == 0).all()

@@ -186,7 +186,7 @@ class ValKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     """verl's multi-turn rollout with tools; the keys and defaults are verl's (rollout.yaml)."""
-    enable: bool = _f(False, "Multi-turn rollouts with tool calls. Not wired into megappo's trainer yet (true is refused); the tool layer (tool configs, the hermes parser, the concurrent runner, the shipped tools) is megappo.tools.")
+    enable: bool = _f(False, "Multi-turn rollouts with tool calls (megappo.tools): the colocated engine generates conversations whose tool turns are in the sequence and out of the loss. Refused with the split placement, dynamic sampling, a reward model and packing (the reason is given).")
     max_assistant_turns: Optional[int] = _f(None, "Most assistant (model) turns per sample; null: no limit but the response length.")
     max_user_turns: Optional[int] = _f(None, "Most user/tool turns per sample; null: no limit but the response length.")
     max_parallel_calls: int = _f(1, "Tool calls run per sample and turn; the model's further calls in that turn are answered with an error (verl drops them unanswered).")
@@ -217,7 +217,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.actor.use_dynamic_bsz"), "Token-budget micro-batches for the old log-prob pass.")
     log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), "Token budget per micro-batch of the old log-prob pass.")
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig, "Sampling used for validation.")
-    multi_turn: MultiTurnConfig = _sub(MultiTurnConfig, "Multi-turn rollouts with tools (verl's keys); refused when enabled until the trainer runs them.")
+    multi_turn: MultiTurnConfig = _sub(MultiTurnConfig, "Multi-turn rollouts with tools (verl's keys).")
 
 
 @dataclass

@@ -365,17 +365,34 @@ def _sampling(cfg: PPOConfig, need: Need, W: list[str]) -> None:
 
 def _multi_turn(cfg: PPOConfig, need: Need) -> None:
     mt, k = cfg.actor_rollout_ref.rollout.multi_turn, R + "multi_turn."
-    need(not mt.enable, k + "enable", "multi-turn generation is not wired into the trainer yet (set it false); "
-         "the tool layer (tool configs, the hermes parser, the concurrent tool runner, the calculator and the "
-         "sandboxed Python tool) is in megappo.tools")
     if mt.enable:
         need(cfg.data.return_raw_chat, "data.return_raw_chat", "must be true with multi_turn.enable: multi-turn "
              "rollouts apply the chat template to the raw messages with the tool schemas")
+        problem = multi_turn_unsupported(cfg)
+        need(problem is None, k + "enable", problem or "")
     for name in ("tool_config_path", "function_tool_path"):
         path = getattr(mt, name)
         if path:
             problem = _tool_file_problem(name, path)
             need(problem is None, k + name, problem or "")
+
+
+def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
+    """Why multi_turn.enable cannot run with these settings (None: it can). Multi-turn runs on the
+    colocated engine, synchronously; the combinations below are not implemented with tool turns."""
+    a = cfg.actor_rollout_ref
+    if not a.hybrid_engine:
+        return ("the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool "
+                "turns yet: the rollout ranks' generation serves single turns only; use the colocated engine")
+    if cfg.algorithm.filter_groups.enable:
+        return "DAPO's dynamic sampling (algorithm.filter_groups.enable) is not run with tool turns yet"
+    if cfg.reward_model.enable:
+        return ("a reward model (reward_model.enable) reads each response as one model turn; scoring conversations "
+                "with tool turns is not implemented (use a rule or custom reward function)")
+    if a.model.use_remove_padding or cfg.critic.model.use_remove_padding:
+        return ("sequence packing (model.use_remove_padding) is not tested with tool turns yet (it needs the GPU "
+                "layer spec); set it false")
+    return None
 
 
 def _tool_file_problem(name: str, path: str) -> Optional[str]:

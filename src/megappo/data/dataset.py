@@ -132,8 +132,11 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         raise DataError(f"{where}: field 'ability' must be a string or null, got {_kind(ability)}")
 
 
-def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def tokenize_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """The prompt as the chat template renders it; with ``tools`` (OpenAI function schemas) the
+    template describes them to the model, as verl's agent loop renders multi-turn prompts."""
+    kw = {} if tools is None else {"tools": tools}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     return [int(i) for i in ids]
 
@@ -169,11 +172,13 @@ def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: 
 
 
 class PromptDataset:
-    """All rows of the given files, in order, tokenized; overlong prompts filtered or truncated.
+    """All rows of the given files, in order, tokenized (with ``tools``: the tool schemas the chat
+    template describes, multi-turn rollouts); overlong prompts filtered or truncated.
     The first rows of each file also check that the tokenizer fits the text (_check_tokenization)."""
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
-                 filter_overlong_prompts: bool = False, truncation: str = "error", return_raw_chat: bool = False):
+                 filter_overlong_prompts: bool = False, truncation: str = "error", return_raw_chat: bool = False,
+                 tools: Optional[list[dict]] = None):
         if truncation not in ("error", "left", "right", "middle"):
             raise ValueError(f"data.truncation must be error, left, right or middle, got {truncation!r}")
         files = [files] if isinstance(files, str) else list(files)
@@ -186,7 +191,7 @@ class PromptDataset:
             for r, row in enumerate(read_rows(path)):
                 where = f"{path}, row {r}"
                 _check_row(row, where, prompt_key)
-                ids = tokenize_prompt(tokenizer, row[prompt_key])
+                ids = tokenize_prompt(tokenizer, row[prompt_key], tools)
                 if r < SANITY_ROWS:
                     _check_tokenization(tokenizer, row[prompt_key], ids, where)
                 truncated = False

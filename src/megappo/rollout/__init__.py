@@ -1,17 +1,17 @@
 """Rollout with vLLM: the engine wrapper (generation, sleep/wake, in-place weight loads) and the
 rollout replicas (which ranks form one engine, which prompts it gets, the gather of their
-samples), and multi-turn generation with tools over a small engine protocol (not wired into the
-trainer yet). What the engine is sent, and when, is :mod:`megappo.sync`'s.
+samples), and multi-turn generation with tools over a small engine protocol. What the engine is sent, and when, is :mod:`megappo.sync`'s.
 
 Importing this package does not import vLLM; constructing :class:`VLLMRollout` does.
 """
 from .engine import (RolloutEngineError, RolloutOutput, SamplingConfig, VLLMRollout, engine_failure, layer_buckets,
                      response_mask_from_ids)
 from .multi_turn import (MultiTurnSample, ToolTurnTokens, TurnEngine, VLLMTurns, loop_settings, multi_turn_generate,
-                         tool_runner)
+                         sample_metrics, tool_runner)
 from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica
 
 __all__ = ["RolloutEngineError", "RolloutOutput", "SamplingConfig", "VLLMRollout", "engine_failure", "layer_buckets",
            "response_mask_from_ids",
-           "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "loop_settings", "multi_turn_generate", "tool_runner",
+           "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "loop_settings", "multi_turn_generate", "sample_metrics",
+           "tool_runner",
            "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica"]

@@ -210,15 +210,22 @@ class VLLMRollout:
             logprobs=0 if logprobs else None, seed=s.seed, detokenize=False)
 
     @_named_failures("generate")
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutOutput:
-        """Generate ``sampling.n`` responses per prompt; see :class:`RolloutOutput`."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Optional[Sequence[int]] = None) -> RolloutOutput:
+        """Generate ``sampling.n`` responses per prompt; see :class:`RolloutOutput`. ``seeds``:
+        each prompt's own seed, in place of ``sampling.seed``'s consecutive ones (multi-turn
+        samples, whose turns are requests of their own)."""
         if self.weights_version == 0:
             raise RuntimeError("the rollout engine still holds vLLM's dummy weights: call sync_weights first")
         if self._sleeping:
             raise RuntimeError("the rollout engine is asleep and its weights were dropped: call sync_weights first")
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         params = self._sampling_params(sampling)
-        if sampling.seed is not None:
+        if seeds is not None:
+            params = [params.clone() for _ in prompts]
+            for p, s in zip(params, seeds):
+                p.seed = int(s)
+        elif sampling.seed is not None:
             # One seed per prompt (vLLM adds the sample index for each of the n children): prompts
             # sharing a seed would share their random draws and give correlated samples.
             base = params

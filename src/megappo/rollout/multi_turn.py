@@ -4,13 +4,15 @@ Each turn continues from the token ids the sample holds so far (the prompt, the 
 the engine produced them, the tool turns), so earlier turns are never decoded and re-encoded,
 which can change tokens and break the equality of the engine's and the trainer's log-probs. A
 tool turn is the chat template's rendering of the tool messages *after* an assistant turn (its
-delta), appended with mask 0; the model's tokens have mask 1. Not wired into the trainer yet.
+delta), appended with mask 0; the model's tokens have mask 1. The trainer runs it through
+:class:`VLLMTurns` (``megappo.trainer.turns``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
+from megappo.seeds import turn_seed
 from megappo.tools import PARSERS, Tool, ToolRunner, load_tools, parse_hermes
 
 from .engine import SamplingConfig
@@ -29,14 +31,18 @@ class VLLMTurns:
     """The engine protocol over a :class:`~megappo.rollout.VLLMRollout` (or anything with its
     ``generate``): one sample per prompt with ``sampling``'s settings; a call asks for the largest
     remaining budget and cuts each output to its own (the kept tokens are what a smaller
-    ``max_tokens`` would have given). A ``sampling.seed`` seeds each call by the prompts' positions
-    in it, not by sample: per-sample seeds across turns are not wired yet."""
+    ``max_tokens`` would have given). ``seeds``: each prompt's own seed (the loop passes each
+    sample's seed of this turn); without them a ``sampling.seed`` seeds the call by the prompts'
+    positions in it."""
 
     def __init__(self, rollout: Any, sampling: SamplingConfig):
         self.rollout, self.sampling = rollout, replace(sampling, n=1)
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
-        out = self.rollout.generate(prompts, replace(self.sampling, max_tokens=max(max_tokens)))
+    def generate(self, prompts: list[list[int]], max_tokens: list[int],
+                 seeds: Optional[list[int]] = None) -> list[tuple[list[int], list[float]]]:
+        sampling = replace(self.sampling, max_tokens=max(max_tokens))
+        out = self.rollout.generate(prompts, sampling) if seeds is None else self.rollout.generate(prompts, sampling,
+                                                                                                   seeds=seeds)
         lengths = out.response_lengths.tolist()
         return [(out.responses[j, :min(n, m)].tolist(), out.rollout_log_probs[j, :min(n, m)].tolist())
                 for j, (n, m) in enumerate(zip(lengths, max_tokens))]
@@ -128,17 +134,21 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
                         decode: Callable[[list[int]], str], tool_turn: Callable[[list[str]], list[int]],
                         max_response_length: int, max_assistant_turns: Optional[int] = None,
                         max_user_turns: Optional[int] = None, tools_kwargs: Optional[list[dict]] = None,
-                        parse: Callable[[str], tuple] = parse_hermes) -> tuple[list[MultiTurnSample], dict]:
+                        parse: Callable[[str], tuple] = parse_hermes,
+                        seeds: Optional[list[int]] = None) -> tuple[list[MultiTurnSample], dict]:
     """Generate every prompt's conversation: model turn, tool calls (hermes), tool turn, ... until
     the model calls no tool, a turn limit is reached or ``max_response_length`` tokens after the
-    prompt are used (a tool turn that would reach it is not appended, as in verl). Returns the
-    samples and the step's metrics."""
+    prompt are used (a tool turn that would reach it is not appended, as in verl). ``seeds``: each
+    sample's seed; its turn k samples with :func:`~megappo.seeds.turn_seed` of it (the engine's
+    ``generate`` gets ``seeds=``). Returns the samples and the step's metrics."""
     samples = [MultiTurnSample(list(p)) for p in prompts]
     kwargs = tools_kwargs or [{} for _ in prompts]
     active = list(range(len(prompts)))
     while active:
-        outs = engine.generate([samples[i].prompt_ids + samples[i].response_ids for i in active],
-                               [max_response_length - len(samples[i].response_ids) for i in active])
+        turn = ([samples[i].prompt_ids + samples[i].response_ids for i in active],
+                [max_response_length - len(samples[i].response_ids) for i in active])
+        outs = (engine.generate(*turn) if seeds is None else
+                engine.generate(*turn, seeds=[turn_seed(seeds[i], samples[i].assistant_turns) for i in active]))
         callers = []
         for i, (ids, lps) in zip(active, outs):
             s = samples[i]
@@ -173,11 +183,17 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
 
 
 def _metrics(samples: list[MultiTurnSample], runner: ToolRunner) -> dict[str, float]:
-    out = runner.pop_metrics()
+    return {**runner.pop_metrics(), **sample_metrics(samples)}
+
+
+def sample_metrics(samples: list[MultiTurnSample]) -> dict[str, float]:
+    """The samples' turn counts (verl's num_turns/*), tool seconds per sample, share of tool
+    tokens and why each stopped."""
+    out = {}
     turns = [s.num_turns for s in samples] or [0]
     seconds = [s.tool_seconds for s in samples] or [0.0]
     for name, xs in (("num_turns", turns), ("agent_loop/tool_calls", seconds)):     # verl's names
-        out[f"{name}/min"], out[f"{name}/max"], out[f"{name}/mean"] = min(xs), max(xs), sum(xs) / len(xs)
+        out[f"{name}/min"], out[f"{name}/max"], out[f"{name}/mean"] = float(min(xs)), float(max(xs)), sum(xs) / len(xs)
     tokens = sum(len(s.response_mask) for s in samples)
     out["multi_turn/tool_token_share"] = (tokens - sum(sum(s.response_mask) for s in samples)) / max(tokens, 1)
     for s in samples:

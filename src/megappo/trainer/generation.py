@@ -1,7 +1,8 @@
 """This step's samples, in one of three modes: generated now on the colocated engine (or the split
 placement's rollout ranks), taken from the generation left in flight during the last step
 (one-step off-policy), or DAPO's dynamic sampling (rounds of generate -> score -> keep the groups
-whose scores vary). Every rank holds the whole (global) batch.
+whose scores vary). Every rank holds the whole (global) batch. With multi_turn.enable the
+colocated engine generates conversations with tool turns (:mod:`.turns`).
 
 Seeds: each prompt samples from its own seed, a function of (data seed, step, salt, place in the
 batch) (:mod:`megappo.seeds`): the samples do not depend on how prompts are split over replicas,
@@ -21,9 +22,12 @@ __all__ = ["Generation"]
 
 
 class Generation:
-    def __init__(self, cfg, engine, train_data, sampler, pad_id: int, rank: int, world: int, split: bool, timer):
+    def __init__(self, cfg, engine, train_data, sampler, pad_id: int, rank: int, world: int, split: bool, timer,
+                 turns=None):
         self.cfg, self.engine, self.train_data, self.sampler = cfg, engine, train_data, sampler
         self.pad_id, self.rank, self.world, self.split, self.timer = pad_id, rank, world, split, timer
+        self.turns = turns     # a MultiTurnRollout (multi_turn.enable), else None
+        self.turn_metrics: dict = {}   # the last multi-turn rollout's (turns, tool calls)
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
         self.inflight = None   # one-step off: the next step's generation (prompt indices, outputs, policy version)
         self.next_indices: Optional[list] = None   # prompts of the generation in flight
@@ -39,6 +43,9 @@ class Generation:
         """Generate ``items`` on this rank's rollout replica (or the rollout ranks), gather every
         replica's samples on every rank."""
         sampling = self.sampling(sampling, salt, offset, step)
+        if self.turns is not None:   # conversations with tool turns, each replica its prompts' samples
+            batch, items, self.turn_metrics = self.turns.rollout(items, sampling, self.rank, self.world)
+            return batch, items
         prompts = [it.prompt_ids for it in items]
         if self.split:   # the rollout ranks generate (each replica its slice, seeded the same way)
             return self.assemble(items, self.engine.generate(prompts, sampling))
@@ -71,6 +78,11 @@ class Generation:
         if self.one_step_off and step + 1 < last_step:
             self.request_next(sampling, step + 1)
         return batch, items
+
+    def pop_metrics(self) -> dict:
+        """The last rollout's multi-turn metrics (empty for one-turn rollouts), once."""
+        out, self.turn_metrics = self.turn_metrics, {}
+        return out
 
     def request_next(self, sampling, step: int) -> None:
         """One-step off-policy: the rollout ranks start generating step ``step``'s prompts (with

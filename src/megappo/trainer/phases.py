@@ -20,7 +20,7 @@ def dp_rows(batch: RolloutBatch, cfg, batching, dp: int, dp_rank: int) -> list[i
     """This DP rank's rows of the global batch, balanced per actor mini-batch."""
     from megappo.workers import deal_to_dp
 
-    lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
     n = cfg.actor_rollout_ref.rollout.n
     return deal_to_dp(lengths, batching.actor_mini_batch * n, dp, cfg.trainer.balance_batch)[dp_rank]
 
@@ -145,7 +145,7 @@ def step_metrics(step: int, metrics: dict, global_batch: RolloutBatch, local_bat
     metrics.update({k: v for k, v in dealt.items() if k.split("/")[1] in ("rewards", "advantages", "returns", "values")
                     or k in ("critic/vf_explained_var", "critic/advantages_returns_corr")})
     metrics.update(timer.pop())
-    tokens = float(global_batch.response_mask.sum() + global_batch.prompt_lengths.sum())
+    tokens = float(global_batch.valid_mask.sum() + global_batch.prompt_lengths.sum())
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / world_size  # per rank of the job
     if lag is not None:   # steps between the policy that generated this batch and the one it trains
         metrics["training/weight_version_lag"] = float(lag)

@@ -21,6 +21,7 @@ from . import phases, run_state
 from .generation import Generation
 from .scoring import Scorer
 from .setup import set_library_log_level
+from .turns import MultiTurnRollout, tool_runner_of
 from .validation import validate
 
 __all__ = ["PPOTrainer"]
@@ -58,9 +59,10 @@ class PPOTrainer:
         # seconds, before vLLM starts and the models are built.
         custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
                          if cfg.custom_reward_function.path else None)
+        self.tools = tool_runner_of(cfg)   # multi-turn: the tools, built once (None: one turn)
         ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                  return_raw_chat=d.return_raw_chat)
+                  return_raw_chat=d.return_raw_chat, tools=list(self.tools.schemas.values()) if self.tools else None)
         self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
         self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
         self.last_step = self.total_steps()   # fit() sets the run's last step
@@ -86,8 +88,10 @@ class PPOTrainer:
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=self.last_step, project=tr.project_name,
                                     experiment=tr.experiment_name, config=to_dict(cfg))
+        turns = (MultiTurnRollout(cfg, self.engine, self.tokenizer, self.tools, self.pad_id, self.rank, self.world)
+                 if self.tools else None)
         self.generation = Generation(cfg, self.engine, self.train_data, self.sampler, self.pad_id, self.rank,
-                                     self.world, self.split is not None, self.timer)
+                                     self.world, self.split is not None, self.timer, turns)
         self.scorer = Scorer(cfg, self.tokenizer, custom_reward, self.reward_model, self.batching.reward,
                              self.dp_rows, self.dp_group, self.check, self.timer)
         self.sync = WeightSync(self.actor, self.info.desc, self.engine, others=(self.ref, self.critic),
@@ -154,6 +158,7 @@ class PPOTrainer:
                 self.sync.push(step)
         self.step_no = step
         metrics.update(reward_metrics)
+        metrics.update(self.generation.pop_metrics())   # multi-turn: turns and tool calls
         metrics = phases.step_metrics(step, metrics, batch, local, cfg, self.dp_group, t, self.layout.world_size,
                                       self.generation.lag if self.split else None, self.train_data.num_filtered,
                                       self.actor_params)

@@ -39,14 +39,15 @@ class Scorer:
         ``details`` receives what the reward function returned per sample."""
         from megappo.rewards import score_batch
 
-        texts = [self.tokenizer.decode(batch.responses[i, :int(batch.response_mask[i].sum())].tolist(),
+        lengths = batch.response_lengths   # tool turns included: the reward reads the whole conversation
+        texts = [self.tokenizer.decode(batch.responses[i, :int(lengths[i])].tolist(),
                                        skip_special_tokens=True) for i in range(len(batch))]
         scores = score_batch([it.data_source for it in items], texts, [it.ground_truth for it in items],
                              [it.extra_info for it in items], custom=self.custom_reward, details=details)
         tls = torch.zeros_like(batch.response_mask)
-        last = (batch.response_mask.sum(-1).long() - 1).clamp(min=0)
+        last = (lengths - 1).clamp(min=0)
         tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
-        return tls * batch.response_mask
+        return tls * batch.valid_mask
 
     def __call__(self, batch: RolloutBatch, items) -> Scores:
         details, metrics = [], {}
@@ -61,7 +62,7 @@ class Scorer:
         per_sample = {"score": tls.sum(-1)}
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            tls, metrics = algo.overlong_penalty(tls, batch.response_mask,
+            tls, metrics = algo.overlong_penalty(tls, batch.valid_mask,
                                                  max_response_length=self.cfg.data.max_response_length,
                                                  buffer_len=ob.len, penalty_factor=ob.penalty_factor)
         self.check_finite("reward", scores=tls)

@@ -142,7 +142,7 @@ class MegatronWorker:
 
     def _pack(self, micro_batches: list[RolloutBatch], align: int) -> list[Packed]:
         """Each micro-batch as one packed row; under VPP all of one length (one p2p shape)."""
-        lengths = [(mb.prompt_lengths + mb.response_mask.sum(-1).long()).clamp(min=1).tolist() for mb in micro_batches]
+        lengths = [(mb.prompt_lengths + mb.response_lengths).clamp(min=1).tolist() for mb in micro_batches]
         packs = [pack(mb.input_ids, n, self.pad_token_id, align) for mb, n in zip(micro_batches, lengths)]
         if len(self.ddp_chunks) > 1:
             total = max(p.ids.shape[1] for p in packs)
@@ -173,7 +173,7 @@ class MegatronWorker:
         are split (fit_to_multiple), then every micro-batch is filled up to the same row count
         with copies of the shortest sample under an all-zero response mask (no loss, no
         gradient; their outputs are dropped) and kept at the batch's width."""
-        lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
         groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
         vpp = len(self.ddp_chunks) > 1
         if vpp:
