@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn_each
 from mcore import build, setup, token_log_probs
 
 pytestmark = pytest.mark.distributed
@@ -87,13 +87,6 @@ def _load_tp1pp2(rank, world, path, ckpt, out_file):
             assert torch.equal(p, actor_params[name]), name
 
 
-def test_checkpoint_saved_at_tp2_starts_a_tp1_pp2_run(tmp_path):
-    path, ckpt, out = str(tmp_path / "qwen3"), str(tmp_path / "mcore"), str(tmp_path / "lp.pt")
-    save_tiny_model("qwen3", path, seed=4, vocab_size=VOCAB)
-    spawn(_save_tp2, 2, path, ckpt, out, "")
-    spawn(_load_tp1pp2, 2, path, ckpt, out)
-
-
 def _start(path, ckpt, prefix="", value_head=False):
     from megappo.checkpoint import load_start_weights
 
@@ -127,16 +120,6 @@ def _mismatches(rank, world, paths, ckpts):
     notes = _start(paths["qwen3"], ckpts["qwen3"], prefix="model.", value_head=True)
     assert notes == ["the checkpoint has a language-model head of shape (640, 128): the value head keeps its "
                      "initialisation"]
-
-
-def test_mismatched_checkpoints_are_named_errors(tmp_path):
-    paths = {n: str(tmp_path / n) for n in ("qwen3", "deep", "llama")}
-    save_tiny_model("qwen3", paths["qwen3"], seed=1, vocab_size=VOCAB)
-    save_tiny_model("qwen3", paths["deep"], seed=1, vocab_size=VOCAB, num_hidden_layers=6)
-    save_tiny_model("llama", paths["llama"], seed=1, vocab_size=VOCAB)
-    paths["qwen3_as_llama"] = paths["qwen3"]
-    ckpts = {n: str(tmp_path / f"ckpt_{n}") for n in ("qwen3", "deep", "qwen3_as_llama")}
-    spawn(_mismatches, 1, paths, ckpts)
 
 
 def _moe(path, ep):
@@ -177,10 +160,42 @@ def _load_moe_ep1(rank, world, path, ckpt, out_file):
     assert (lp - ref).abs().max().item() < 1e-5 and (hf - ref).abs().max().item() > 1e-2
 
 
-def test_moe_checkpoint_saved_at_ep2_starts_an_ep1_run(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this file in two spawned worlds (2 ranks, then 1): name -> its error file."""
+    root = tmp_path_factory.mktemp("start")
+    dense, moe = str(root / "qwen3"), str(root / "moe")
+    save_tiny_model("qwen3", dense, seed=4, vocab_size=VOCAB)
+    save_tiny_model("qwen3_moe", moe, seed=4, vocab_size=VOCAB)
+    paths = {n: str(root / n) for n in ("qwen3_1", "deep", "llama")}
+    save_tiny_model("qwen3", paths["qwen3_1"], seed=1, vocab_size=VOCAB)
+    save_tiny_model("qwen3", paths["deep"], seed=1, vocab_size=VOCAB, num_hidden_layers=6)
+    save_tiny_model("llama", paths["llama"], seed=1, vocab_size=VOCAB)
+    paths = {"qwen3": paths["qwen3_1"], "deep": paths["deep"], "llama": paths["llama"],
+             "qwen3_as_llama": paths["qwen3_1"]}
+    ckpts = {n: str(root / f"ckpt_{n}") for n in ("qwen3", "deep", "qwen3_as_llama")}
+    dense_ckpt, moe_ckpt = str(root / "mcore_dense"), str(root / "mcore_moe")
+    err = {n: str(root / f"{n}.error") for n in ("save_tp2", "load_tp1pp2", "save_moe_ep2", "mismatches",
+                                                  "load_moe_ep1")}
+    spawn_each(2, [(_save_tp2, (dense, dense_ckpt, str(root / "lp.pt"), ""), err["save_tp2"]),
+                   (_load_tp1pp2, (dense, dense_ckpt, str(root / "lp.pt")), err["load_tp1pp2"]),
+                   (_save_moe_ep2, (moe, moe_ckpt, str(root / "moe_lp.pt")), err["save_moe_ep2"])])
+    spawn_each(1, [(_mismatches, (paths, ckpts), err["mismatches"]),
+                   (_load_moe_ep1, (moe, moe_ckpt, str(root / "moe_lp.pt")), err["load_moe_ep1"])])
+    return err
+
+
+def test_checkpoint_saved_at_tp2_starts_a_tp1_pp2_run(runs):
+    raise_if_failed(runs["save_tp2"])
+    raise_if_failed(runs["load_tp1pp2"])
+
+
+def test_mismatched_checkpoints_are_named_errors(runs):
+    raise_if_failed(runs["mismatches"])
+
+
+def test_moe_checkpoint_saved_at_ep2_starts_an_ep1_run(runs):
     """Experts are keyed by their global index: a checkpoint saved with experts split over two
     ranks loads into one rank holding all four."""
-    path, ckpt, out = str(tmp_path / "moe"), str(tmp_path / "mcore"), str(tmp_path / "lp.pt")
-    save_tiny_model("qwen3_moe", path, seed=4, vocab_size=VOCAB)
-    spawn(_save_moe_ep2, 2, path, ckpt, out)
-    spawn(_load_moe_ep1, 1, path, ckpt, out)
+    raise_if_failed(runs["save_moe_ep2"])
+    raise_if_failed(runs["load_moe_ep1"])
