@@ -7,7 +7,7 @@ from megappo import algo
 from megappo.distributed import (entropy_from_vocab_parallel_logits, log_probs_and_entropy, log_probs_from_logits,
                                  log_probs_reference, sum_pi_squared_from_vocab_parallel_logits)
 
-from harness import spawn
+from harness import raise_if_failed, spawn_each
 
 pytestmark = pytest.mark.distributed
 DT = torch.float64
@@ -55,9 +55,35 @@ def _vocab_parallel_worker(rank, world, vocab, padded):
         torch.testing.assert_close(spi2, ref_spi2, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("world, vocab, padded", [(2, 50, 50), (2, 45, 48), (4, 61, 64)])
-def test_vocab_parallel_log_probs_and_entropy(world, vocab, padded):
-    spawn(_vocab_parallel_worker, world, vocab, padded)
+VOCAB_CASES = [(2, 50, 50), (2, 45, 48), (4, 61, 64)]
+DP_CASES = [(2, (9, 9)), (2, (5, 13)), (4, (4, 6, 1, 7)), (4, (0, 10, 3, 5))]
+MICRO_CASES = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Every case of this file in two spawned worlds, one of 2 ranks and one of 4 (a world costs
+    seconds of imports; these workers hold no state between cases). case -> its error file."""
+    root = tmp_path_factory.mktemp("algo")
+    calls = {2: [], 4: []}
+    errors = {}
+    for case in VOCAB_CASES:
+        errors[("vocab", case)] = str(root / f"vocab_{case[1]}_{case[2]}.error")
+        calls[case[0]].append((_vocab_parallel_worker, case[1:], errors[("vocab", case)]))
+    for world, splits in DP_CASES:
+        errors[("dp", splits)] = str(root / f"dp_{'_'.join(map(str, splits))}.error")
+        calls[world].append((_dp_worker, (splits,), errors[("dp", splits)]))
+    for n in MICRO_CASES:
+        errors[("micro", n)] = str(root / f"micro_{n}.error")
+        calls[2].append((_agg_worker, (n,), errors[("micro", n)]))
+    for world, world_calls in calls.items():
+        spawn_each(world, world_calls)
+    return errors
+
+
+@pytest.mark.parametrize("world, vocab, padded", VOCAB_CASES)
+def test_vocab_parallel_log_probs_and_entropy(world, vocab, padded, worlds):
+    raise_if_failed(worlds[("vocab", (world, vocab, padded))])
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,9 +216,9 @@ def _dp_worker(rank, world, splits):
     assert full.sum() > 1 and torch.equal(part, full[sl])
 
 
-@pytest.mark.parametrize("world, splits", [(2, (9, 9)), (2, (5, 13)), (4, (4, 6, 1, 7)), (4, (0, 10, 3, 5))])
-def test_dp_statistics_and_estimators_match_single_process(world, splits):
-    spawn(_dp_worker, world, splits)
+@pytest.mark.parametrize("world, splits", DP_CASES)
+def test_dp_statistics_and_estimators_match_single_process(world, splits, worlds):
+    raise_if_failed(worlds[("dp", splits)])
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,6 +259,6 @@ def _agg_worker(rank, world, n_micro):
         torch.testing.assert_close(grad, ref, atol=1e-12, rtol=0, msg=lambda s: f"{mode}: {s}")
 
 
-@pytest.mark.parametrize("n_micro", [1, 3])
-def test_agg_loss_gradient_independent_of_dp_and_micro_batches(n_micro):
-    spawn(_agg_worker, 2, n_micro)
+@pytest.mark.parametrize("n_micro", MICRO_CASES)
+def test_agg_loss_gradient_independent_of_dp_and_micro_batches(n_micro, worlds):
+    raise_if_failed(worlds[("micro", n_micro)])

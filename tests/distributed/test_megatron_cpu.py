@@ -1,13 +1,14 @@
 """megappo.megatron_cpu: each piece is needed (megatron fails without it) and works (with it).
 
-Each case runs in fresh spawned processes, since the pieces patch process-global state."""
+Each "needed" case runs in fresh spawned processes, since the pieces patch process-global state;
+the "works" cases share one world, all with the same (whole) shim."""
 import os
 import sys
 
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn, spawn_each
 
 pytestmark = pytest.mark.distributed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -138,10 +139,19 @@ def test_piece_is_needed(piece):
     spawn(_worker, world, piece, piece)
 
 
+@pytest.fixture(scope="module")
+def with_every_piece(tmp_path_factory):
+    """Every case with the whole shim installed, in one world of 2 (world-1 cases run as DP 2):
+    the same process-global state for all of them, so they can share it. piece -> error file."""
+    root = tmp_path_factory.mktemp("pieces")
+    errors = {piece: str(root / f"{piece}.error") for piece in OPS}
+    spawn_each(2, [(_worker, (None, piece), errors[piece]) for piece in OPS])
+    return errors
+
+
 @pytest.mark.parametrize("piece", list(OPS))
-def test_piece_works(piece):
-    op, world, _ = OPS[piece]
-    spawn(_worker, world, None, piece)
+def test_piece_works(piece, with_every_piece):
+    raise_if_failed(with_every_piece[piece])
 
 
 def test_unknown_piece_and_idempotence():
