@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn_each
 from mcore import SEQ, build, run_schedule, setup
 
 pytestmark = pytest.mark.distributed
@@ -59,11 +59,29 @@ def _logprob_worker(rank, world, tp, pp, vpp, dirs):
                 assert diff < 1e-5, f"{arch} TP{tp}PP{pp}VPP{vpp}: max log-prob diff {diff}"
 
 
-@pytest.mark.parametrize("world, tp, pp, vpp", [
-    (1, 1, 1, None), (2, 2, 1, None), (2, 1, 2, None), (4, 2, 2, None), (2, 1, 1, None), (2, 1, 2, 2),
-], ids=["TP1PP1", "TP2PP1", "TP1PP2", "TP2PP2", "TP1PP1xDP2", "TP1PP2VPP2"])
-def test_actor_log_probs_equal_transformers(model_dirs, world, tp, pp, vpp):
-    spawn(_logprob_worker, world, tp, pp, vpp, model_dirs)
+LAYOUTS = [(1, 1, 1, None), (2, 2, 1, None), (2, 1, 2, None), (4, 2, 2, None), (2, 1, 1, None), (2, 1, 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def worlds(model_dirs, tmp_path_factory):
+    """Every run of this file in one spawned world per world size (each run sets up its own
+    parallel state). case -> its error file."""
+    root = tmp_path_factory.mktemp("runs")
+    calls, errors = {}, {}
+    for world, tp, pp, vpp in LAYOUTS:
+        errors[(world, tp, pp, vpp)] = str(root / f"lp_{world}_{tp}_{pp}_{vpp}.error")
+        calls.setdefault(world, []).append((_logprob_worker, (tp, pp, vpp, model_dirs), errors[(world, tp, pp, vpp)]))
+    errors["roundtrip"] = str(root / "roundtrip.error")
+    calls[4].append((_roundtrip_and_critic_worker, (model_dirs,), errors["roundtrip"]))
+    for world, world_calls in sorted(calls.items()):
+        spawn_each(world, world_calls)
+    return errors
+
+
+@pytest.mark.parametrize("world, tp, pp, vpp", LAYOUTS,
+                         ids=["TP1PP1", "TP2PP1", "TP1PP2", "TP2PP2", "TP1PP1xDP2", "TP1PP2VPP2"])
+def test_actor_log_probs_equal_transformers(worlds, world, tp, pp, vpp):
+    raise_if_failed(worlds[(world, tp, pp, vpp)])
 
 
 def _roundtrip_and_critic_worker(rank, world, dirs):
@@ -152,5 +170,5 @@ def _check_shared_gather(chunks, info, original, arch):
         assert plan_shared_gather(chunks, info.desc, coords) is None
 
 
-def test_roundtrip_bit_exact_and_critic_gradients_tp2pp2(model_dirs):
-    spawn(_roundtrip_and_critic_worker, 4, model_dirs)
+def test_roundtrip_bit_exact_and_critic_gradients_tp2pp2(worlds):
+    raise_if_failed(worlds["roundtrip"])

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn_each
 from mcore import token_log_probs
 
 pytestmark = pytest.mark.distributed
@@ -63,12 +63,31 @@ def _worker(rank, world, path, tp, pp, ep):
         assert diff < 1e-5, f"TP{tp} PP{pp} EP{ep}: |megatron - transformers| log-prob {diff}"
 
 
-@pytest.mark.parametrize("tp, pp, ep, norm_topk_prob, world", [(1, 1, 1, True, 1), (1, 1, 2, False, 2),
-                                                               (2, 1, 2, True, 4), (1, 2, 2, True, 4)])
-def test_moe_log_probs_equal_transformers(tp, pp, ep, norm_topk_prob, world, tmp_path):
-    path = tmp_path / "moe"
-    save_tiny_model("qwen3_moe", path, norm_topk_prob=norm_topk_prob)
-    spawn(_worker, world, str(path), tp, pp, ep)
+LAYOUTS = [(1, 1, 1, True, 1), (1, 1, 2, False, 2), (2, 1, 2, True, 4), (1, 2, 2, True, 4)]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Every run of this file in one spawned world per world size. case -> its error file."""
+    root = tmp_path_factory.mktemp("moe")
+    for norm in (True, False):
+        save_tiny_model("qwen3_moe", root / f"moe_{norm}", norm_topk_prob=norm)
+    save_tiny_model("qwen3_moe", root / "moe_2layers", num_hidden_layers=2)
+    calls, errors = {}, {}
+    for tp, pp, ep, norm, world in LAYOUTS:
+        errors[(tp, pp, ep, norm)] = str(root / f"lp_{tp}_{pp}_{ep}_{norm}.error")
+        calls.setdefault(world, []).append((_worker, (str(root / f"moe_{norm}"), tp, pp, ep), errors[(tp, pp, ep, norm)]))
+    for ep in (1, 2):
+        errors[("grad", ep)] = str(root / f"grad_{ep}.error")
+        calls[ep].append((_grad_worker, (str(root / "moe_2layers"), ep), errors[("grad", ep)]))
+    for world, world_calls in sorted(calls.items()):
+        spawn_each(world, world_calls)
+    return errors
+
+
+@pytest.mark.parametrize("tp, pp, ep, norm_topk_prob, world", LAYOUTS)
+def test_moe_log_probs_equal_transformers(tp, pp, ep, norm_topk_prob, world, worlds):
+    raise_if_failed(worlds[(tp, pp, ep, norm_topk_prob)])
 
 
 def _grad_worker(rank, world, path, ep):
@@ -127,7 +146,5 @@ def _grad_worker(rank, world, path, ep):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_gradients_equal_transformers(ep, tmp_path):
-    path = tmp_path / "moe"
-    save_tiny_model("qwen3_moe", path, num_hidden_layers=2)
-    spawn(_grad_worker, ep, str(path), ep)
+def test_moe_gradients_equal_transformers(ep, worlds):
+    raise_if_failed(worlds[("grad", ep)])
