@@ -44,7 +44,9 @@ SUBSTITUTED = {
 def substitute(path: str, value: Any, warnings: Optional[list]) -> Any:
     """The value megappo runs with for ``path=value`` (verl's value unless SUBSTITUTED names it);
     a substitution appends its warning."""
-    key = (path, value.strip().strip("'\"") if isinstance(value, str) else value)
+    if not isinstance(value, str):   # every substituted value is a name
+        return value
+    key = (path, value.strip().strip("'\""))
     if key not in SUBSTITUTED:
         return value
     ours, why = SUBSTITUTED[key]
