@@ -67,7 +67,7 @@ setup(
     python_requires=">=3.11",
     package_dir={"": "src"},
     packages=find_namespace_packages("src", include=["megappo", "megappo.*"]),
-    package_data={"megappo": ["presets/*.yaml", "model_configs/*.json"]},
+    package_data={"megappo": ["presets/*.yaml", "presets/verl/*.yaml", "model_configs/*.json"]},
     include_package_data=True,
     # Only what `import megappo` and the config/dry-run path need.
     install_requires=["pyyaml>=6"],

@@ -15,6 +15,10 @@ from megappo.config import (ConfigError, PPOConfig, all_keys, load_config, sourc
 
 
 VERL_CONFIG_NAMES = {"ppo_megatron_trainer", "ppo_trainer"}
+# verl's example configs (``--config-name`` under the example's ``--config-path``): verl's trainer
+# defaults with the settings of megappo/presets/verl/<name>.yaml, applied before --config files.
+VERL_EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets", "verl")
+VERL_EXAMPLE_CONFIGS = {"gsm8k_multiturn_megatron_grpo"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,11 +47,15 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
     errors: list[tuple[str, str]] = []
     sources: dict = {}
     warnings: list[str] = []
-    name = args.config_name
-    if name is not None and name.removesuffix(".yaml") not in VERL_CONFIG_NAMES:
-        errors.append(("--config-name", f"{name!r} is not one of verl's trainer configs {sorted(VERL_CONFIG_NAMES)}, "
-                                        "whose defaults megappo starts from; pass your own YAML with --config"))
-    cfg = load_config(args.overrides, args.config or [], raise_errors=False, errors=errors, sources=sources,
+    name = None if args.config_name is None else args.config_name.removesuffix(".yaml")
+    files = list(args.config or [])
+    if name in VERL_EXAMPLE_CONFIGS:
+        files.insert(0, os.path.join(VERL_EXAMPLE_DIR, f"{name}.yaml"))
+    elif name is not None and name not in VERL_CONFIG_NAMES:
+        errors.append(("--config-name", f"{args.config_name!r} is not one of verl's trainer configs "
+                                        f"{sorted(VERL_CONFIG_NAMES)} nor of its example configs megappo knows "
+                                        f"{sorted(VERL_EXAMPLE_CONFIGS)}; pass your own YAML with --config"))
+    cfg = load_config(args.overrides, files, raise_errors=False, errors=errors, sources=sources,
                       warnings=warnings)
     if not args.dry_run:
         _resolve_hub_ids(cfg, errors)

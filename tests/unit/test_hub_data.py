@@ -133,3 +133,33 @@ def test_missing_datasets_package_names_the_data_set_and_input(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "DigitalLearningGmbH/MATH-lighteval: reading the hub data set needs the `datasets` package" in err
     assert "--input" in err
+
+
+def test_gsm8k_tool_rows_offer_the_calculator_that_examples_tools_ships(tmp_path):
+    """gsm8k_tool: the GSM8K rows with a system prompt offering the calculator and verl's
+    tools_kwargs shape; the tool config megappo ships builds that tool, and a row's create_kwargs
+    reach its create (as the multi-turn rollout passes them)."""
+    from megappo.tools import tools_from_config, tools_kwargs_of
+
+    _dataset(tmp_path / "home" / "hub", "openai/gsm8k", GSM8K_README, {"main": GSM8K, "socratic": SOCRATIC})
+    r = _preprocess(tmp_path, "gsm8k_tool", "--out", str(tmp_path / "tool_out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _preprocess(tmp_path, "gsm8k", "--out", str(tmp_path / "plain_out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tool, plain = _rows(tmp_path / "tool_out"), _rows(tmp_path / "plain_out")
+    assert [len(tool[s]) for s in ("train", "test")] == [3, 1]
+    for split in ("train", "test"):
+        for t, p in zip(tool[split], plain[split]):
+            system, *rest = t["prompt"]
+            assert system["role"] == "system" and "`calculator` tool" in system["content"]
+            assert "`#### <answer>`" in system["content"] and rest == p["prompt"]
+            assert t["reward_model"] == p["reward_model"] and t["data_source"] == "openai/gsm8k"
+            extra = t["extra_info"]
+            assert extra["need_tools_kwargs"] is True and "interaction_kwargs" not in extra
+            assert {k: extra[k] for k in ("split", "index", "answer", "question")} == p["extra_info"]
+            assert tools_kwargs_of(extra) == {"calculator": {"create_kwargs": {
+                "ground_truth": p["reward_model"]["ground_truth"]}}}
+    (calc,) = tools_from_config(REPO / "examples" / "tools" / "calculator.yaml")
+    assert calc.name == "calculator" and calc.tool_schema["function"]["parameters"]["required"] == ["expression"]
+    iid = calc.create(**tools_kwargs_of(tool["train"][1]["extra_info"])["calculator"]["create_kwargs"])
+    assert calc.execute(iid, {"expression": "1000 + 234"})[0] == "1234"

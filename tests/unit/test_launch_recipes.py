@@ -245,3 +245,21 @@ def test_slurm_runs_in_a_container_image(tmp_path):
     assert args[0] == "--nodes" and "--container-image" not in args
     cmd = args[args.index("-c") + 1]
     assert cmd.startswith("apptainer exec --nv --bind ") and " /img/megappo.sif bash -c python\\ -m\\ torch.distributed.run" in cmd
+
+
+def test_gsm8k_tool_recipe_runs_multi_turn_with_the_shipped_calculator():
+    p = _dry("qwen3_8b_gsm8k_tool.sh", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    ro, act = cfg["actor_rollout_ref"]["rollout"], cfg["actor_rollout_ref"]["actor"]
+    mt = ro["multi_turn"]
+    assert mt["enable"] is True and mt["max_assistant_turns"] == 5 and mt["format"] == "hermes"
+    assert mt["tool_config_path"] == str(REPO / "examples" / "tools" / "calculator.yaml")
+    assert cfg["data"]["train_files"] == [os.path.expanduser("~/data/gsm8k_tool/train.parquet")]
+    assert cfg["algorithm"]["adv_estimator"] == "grpo" and ro["n"] == 8 and cfg["data"]["train_batch_size"] == 256
+    assert act["use_kl_loss"] is True and act["kl_loss_type"] == "low_var_kl" and act["kl_loss_coef"] == 0.001
+    assert cfg["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen3-8B"
+    assert "train: TP=2 PP=2 DP=2 | rollout: TP=2 DP=4" in p.stdout and ": FITS" in p.stdout
+    # a tool config that is not there is named before anything starts
+    p = _dry("qwen3_8b_gsm8k_tool.sh", TOOL_CONFIG="/nonexistent/tools.yaml")
+    assert p.returncode == 2 and "multi_turn.tool_config_path" in p.stderr and "/nonexistent/tools.yaml" in p.stderr

@@ -127,6 +127,7 @@ def test_values_come_through_as_verl_means_them():
 def test_unknown_config_name_and_unknown_key_are_errors():
     rc, _, err = dry_run(["--config-name=my_trainer", "trainer.nnodes=1"])
     assert rc == 2 and "--config-name: 'my_trainer' is not one of verl's trainer configs" in err
+    assert "nor of its example configs megappo knows ['gsm8k_multiturn_megatron_grpo']" in err
     rc, _, err = dry_run(["actor_rollout_ref.rollout.mdoe=sync"])
     assert rc == 2 and "unknown config key 'actor_rollout_ref.rollout.mdoe'" in err
 
@@ -292,3 +293,38 @@ def test_the_dist_checkpointing_command_starts_when_its_checkpoint_exists(tmp_pa
     ckpt.mkdir()
     (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     assert path_errors(ckpt) == {}
+
+
+def test_verls_megatron_multi_turn_gsm8k_command(tmp_path):
+    """verl's multi-turn GSM8K Megatron example, unchanged: its --config-name is known (its
+    settings apply), rollout.name=sglang runs as vLLM with a warning naming the substitution, and
+    the one thing refused is context parallelism (CP=2 for the actor and the reference)."""
+    from verl_commands import VERL_GSM8K_TOOL_CONFIG, VERL_MULTI_TURN_COMMAND
+
+    tools = tmp_path / "examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml"
+    tools.parent.mkdir(parents=True)
+    tools.write_text(VERL_GSM8K_TOOL_CONFIG)
+    argv = [a.replace("$PROJECT_DIR", str(tmp_path)) for a in VERL_MULTI_TURN_COMMAND["argv"]]
+    rc, _, err = dry_run(argv)
+    assert rc == 2
+    cp = {f"actor_rollout_ref.{r}.megatron.context_parallel_size" for r in ("actor", "ref")}
+    found = errors(err)
+    assert set(found) == cp, found
+    assert all("context parallelism is not supported" in m for m in found.values())
+    rc, out, err = dry_run([a for a in argv if _key(a) not in cp])
+    assert rc == 0, err
+    cfg = yaml.safe_load(out[:out.index("# layout")])
+    ro = cfg["actor_rollout_ref"]["rollout"]
+    assert ro["name"] == "vllm" and ro["n"] == 8 and ro["tensor_model_parallel_size"] == 2
+    assert ro["multi_turn"]["enable"] is True and ro["multi_turn"]["max_assistant_turns"] == 5   # its --config-name
+    assert ro["multi_turn"]["tool_config_path"] == str(tools)
+    assert cfg["data"]["train_batch_size"] == 1024 and cfg["algorithm"]["adv_estimator"] == "grpo"
+    meg = cfg["actor_rollout_ref"]["actor"]["megatron"]
+    assert (meg["tensor_model_parallel_size"], meg["pipeline_model_parallel_size"],
+            meg["virtual_pipeline_model_parallel_size"]) == (2, 2, 2)
+    assert "train: TP=2 PP=2 VPP=2 DP=2 | rollout: TP=2 DP=4" in out
+    warned = [line for line in err.splitlines() if line.startswith("megappo: warning: ")]
+    assert [w for w in warned if "sglang" in w] == [
+        "megappo: warning: actor_rollout_ref.rollout.name=sglang runs as actor_rollout_ref.rollout.name=vllm: "
+        "megappo rolls out with vLLM, not SGLang (the same sampling settings: n, temperature, top_p, top_k; "
+        "multi-turn tool calls run in megappo's own loop over the vLLM engine)"], warned

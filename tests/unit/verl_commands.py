@@ -627,3 +627,81 @@ VERL_COMMANDS = [
         ],
     ),
 ]
+
+# verl's multi-turn GSM8K example with the Megatron backend, verbatim, from verl v0.7.0's
+# examples/sglang_multiturn/run_qwen2.5-3b_megatron_gsm8k_multiturn.sh ($@ removed;
+# $PROJECT_DIR and $CONFIG_PATH kept literal: the test puts the tool config under a PROJECT_DIR).
+VERL_MULTI_TURN_TAG = "v0.7.0"
+VERL_MULTI_TURN_COMMAND = dict(
+    source='examples/sglang_multiturn/run_qwen2.5-3b_megatron_gsm8k_multiturn.sh',
+    kind='megatron',
+    algo='grpo',
+    argv=[
+        '--config-path=$PROJECT_DIR/examples/sglang_multiturn/config',
+        '--config-name=gsm8k_multiturn_megatron_grpo',
+        'algorithm.adv_estimator=grpo',
+        'data.train_batch_size=1024',
+        'data.max_prompt_length=1024',
+        'data.max_response_length=1024',
+        'data.filter_overlong_prompts=True',
+        'data.truncation=error',
+        'data.return_raw_chat=True',
+        'actor_rollout_ref.model.path=/user/longxiang1/models/Qwen/Qwen2.5-3B-Instruct',
+        'actor_rollout_ref.actor.optim.lr=1e-6',
+        'actor_rollout_ref.actor.ppo_mini_batch_size=256',
+        'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16',
+        'actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2',
+        'actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2',
+        'actor_rollout_ref.actor.megatron.context_parallel_size=2',
+        'actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2',
+        'actor_rollout_ref.actor.use_kl_loss=True',
+        'actor_rollout_ref.actor.kl_loss_coef=0.001',
+        'actor_rollout_ref.actor.kl_loss_type=low_var_kl',
+        'actor_rollout_ref.actor.entropy_coeff=0',
+        'actor_rollout_ref.actor.megatron.seed=42',
+        'actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2',
+        'actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2',
+        'actor_rollout_ref.ref.megatron.context_parallel_size=2',
+        'actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2',
+        'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16',
+        'actor_rollout_ref.rollout.tensor_model_parallel_size=2',
+        'actor_rollout_ref.rollout.name=sglang',
+        'actor_rollout_ref.rollout.gpu_memory_utilization=0.5',
+        'actor_rollout_ref.rollout.n=8',
+        'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16',
+        'algorithm.use_kl_in_reward=False',
+        'trainer.critic_warmup=0',
+        'trainer.logger=["console","wandb"]',
+        'trainer.project_name=gsm8k_async_rl',
+        'trainer.experiment_name=qwen2.5-3b_function_rm-gsm8k-sgl-multi-w-tool-n8-mcore-v2505201745_seed42',
+        'trainer.n_gpus_per_node=8',
+        'trainer.nnodes=1',
+        'trainer.save_freq=-1',
+        'trainer.test_freq=20',
+        'data.train_files=/user/longxiang1/data/gsm8k_verl_sgl_multi_turn_preprocessed_v2/train.parquet',
+        'data.val_files=/user/longxiang1/data/gsm8k_verl_sgl_multi_turn_preprocessed_v2/test.parquet',
+        'actor_rollout_ref.rollout.multi_turn.tool_config_path='
+        '$PROJECT_DIR/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml',
+        'trainer.total_epochs=15',
+    ],
+)
+
+# The tool config that command names (verl v0.7.0's
+# examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml), verbatim.
+VERL_GSM8K_TOOL_CONFIG = '''tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config: 
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+'''

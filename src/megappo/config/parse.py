@@ -200,6 +200,8 @@ def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optio
                   set_paths: Optional[list] = None, warnings: Optional[list] = None) -> None:
     """Apply a (nested or dotted) mapping, e.g. a parsed YAML preset; the key paths set are
     appended to ``set_paths``. verl keys with no field here: see megappo.config.verl_keys."""
+    from megappo.config import verl_keys
+
     for k, v in mapping.items():
         path = _renamed(prefix + str(k))
         try:
@@ -207,7 +209,7 @@ def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optio
             if _is_section(tp) and isinstance(v, dict):
                 apply_mapping(cfg, v, prefix=path + ".", errors=errors, set_paths=set_paths, warnings=warnings)
                 continue
-            _set(cfg, path, v, from_text=False)
+            _set(cfg, path, verl_keys.substitute(path, v, warnings), from_text=False)
             if set_paths is not None:
                 set_paths.append(path)
         except (KeyError, ValueError) as e:
@@ -344,6 +346,8 @@ def load_config(
     ``sources`` (when given) receives, per key path set, where its value came from;
     ``warnings`` the one-line warnings of accepted verl keys that have no effect here.
     """
+    from megappo.config import verl_keys
+
     errs: list[tuple[str, str]] = [] if errors is None else errors
     src: dict = {} if sources is None else sources
     cfg = PPOConfig()
@@ -360,6 +364,9 @@ def load_config(
             src.update((k, where) for k in done)
     for text in overrides:
         try:
+            if "=" in text:
+                key, value = text.split("=", 1)
+                text = f"{key}={verl_keys.substitute(key.strip().lstrip('+'), value, warnings)}"
             apply_override(cfg, text)
             src[_renamed(text.split("=", 1)[0].strip().lstrip("+"))] = "the command line"
         except KeyError as e:

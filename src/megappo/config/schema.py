@@ -199,7 +199,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm"] = _f("vllm", "Rollout engine.")
+    name: Literal["vllm"] = _f("vllm", "Rollout engine: vLLM. verl's sglang is accepted and runs as vllm, with a warning naming the substitution.")
     n: int = _f(1, "Responses sampled per prompt.")
     temperature: float = _f(1.0, "Sampling temperature.")
     top_p: float = _f(1.0, "Nucleus sampling.")

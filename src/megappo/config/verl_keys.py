@@ -32,6 +32,30 @@ def _truthy(v: Any) -> bool:
     return v not in (False, None, 0, "false", "False")
 
 
+# verl values megappo runs with another of its own, with a warning naming the substitution:
+# (key, verl's value) -> (megappo's value, why)
+SUBSTITUTED = {
+    ("actor_rollout_ref.rollout.name", "sglang"): (
+        "vllm", "megappo rolls out with vLLM, not SGLang (the same sampling settings: n, temperature, top_p, "
+                "top_k; multi-turn tool calls run in megappo's own loop over the vLLM engine)"),
+}
+
+
+def substitute(path: str, value: Any, warnings: Optional[list]) -> Any:
+    """The value megappo runs with for ``path=value`` (verl's value unless SUBSTITUTED names it);
+    a substitution appends its warning."""
+    if not isinstance(value, str):   # every substituted value is a name
+        return value
+    key = (path, value.strip().strip("'\""))
+    if key not in SUBSTITUTED:
+        return value
+    ours, why = SUBSTITUTED[key]
+    text = f"{path}={key[1]} runs as {path}={ours}: {why}"
+    if warnings is not None and text not in warnings:   # a config file and the command line may both say it
+        warnings.append(text)
+    return ours
+
+
 # verl keys that name a megappo setting by another name: the value goes to megappo's key
 RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_gpu"}
 
