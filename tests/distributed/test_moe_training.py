@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from harness import spawn
+from harness import raise_if_failed, spawn_each
 from mcore import random_batch
 
 pytestmark = pytest.mark.distributed
@@ -217,8 +217,19 @@ def _worker(rank, world, path, tp, pp, ep):
     _critic(path, tp, pp, ep)
 
 
-@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 2), (1, 2, 2)], ids=["TP2xEP2", "PP2xEP2"])
-def test_moe_training_under_expert_parallelism(tp, pp, ep, tmp_path):
-    path = tmp_path / "moe"
-    save_tiny_model("qwen3_moe", path)
-    spawn(_worker, 4, str(path), tp, pp, ep)
+LAYOUTS = [(2, 1, 2), (1, 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def world_of_4(tmp_path_factory):
+    """Both layouts in one spawned world of 4 (each sets up its own parallel state)."""
+    root = tmp_path_factory.mktemp("moe_training")
+    save_tiny_model("qwen3_moe", root / "moe")
+    errors = {layout: str(root / f"{'_'.join(map(str, layout))}.error") for layout in LAYOUTS}
+    spawn_each(4, [(_worker, (str(root / "moe"), *layout), errors[layout]) for layout in LAYOUTS])
+    return errors
+
+
+@pytest.mark.parametrize("tp, pp, ep", LAYOUTS, ids=["TP2xEP2", "PP2xEP2"])
+def test_moe_training_under_expert_parallelism(tp, pp, ep, world_of_4):
+    raise_if_failed(world_of_4[(tp, pp, ep)])
