@@ -49,9 +49,10 @@ from megappo.models import padded_vocab_size  # megatron's padding (128 x TP), a
 GiB = 2**30
 RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
 # fp32 [chunk, V/t] temporaries of megappo.distributed's log-prob kernel alive at once (counted by
-# megappo.simulate's accounting of the kernel alone): forward only, the upcast and the copy that
-# masks the padded vocabulary; log-probs + entropy with their backward, five.
-LOGITS_FP32_COPIES_FORWARD = 2
+# megappo.simulate's accounting of the kernel alone): forward only, the upcast (and on the TP rank
+# holding the padded end of the vocabulary, the copy that masks it); log-probs + entropy with
+# their backward, five either way.
+LOGITS_FP32_COPIES_FORWARD = 1
 LOGITS_FP32_COPIES_TRAIN = 5
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 GAP_TOLERANCE = 0.10              # the planner against the simulation: flagged beyond this
@@ -320,9 +321,12 @@ def layer_forward_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
     """A forward-only pass's peak working set per token (no_grad: tensors die when unused), at the
     SwiGLU: fc1's output (2 x FFN), the SiLU, the sum and the product (3 x FFN), with four
     hidden-sized tensors alive in the callers (the stage's input, the layer's input, the residual
-    after attention and the MLP norm's output; / SP)."""
+    after attention and the MLP norm's output; / SP). The local spec under sequence parallelism
+    also all-gathers each linear's input into megatron's global memory buffer, [tokens, hidden],
+    which stays allocated from the first pass on (so the simulation sees it in its first pass)."""
     sh, width, _ = _widths(m, o)
-    return o.param_bytes * (5 * width + 4 * m.hidden / sh)
+    gather = m.hidden if o.layer_spec == "local" and sh > 1 else 0
+    return o.param_bytes * (5 * width + 4 * m.hidden / sh + gather)
 
 
 def _in_flight(o: PlanOptions, stage: int) -> float:
@@ -356,14 +360,16 @@ def _logits(m: ModelShape, o: PlanOptions, tokens: int, training: bool) -> int:
     """The last stage's logits pass: the output layer's [tokens, V/t] logits in the compute dtype
     (and in training their gradient, and the gradient of the output layer's input: [tokens,
     hidden], gathered under SP), and the log-prob kernel's fp32 work of a token chunk: the
-    upcast and the padded-vocabulary mask forward only; with the entropy and the backward,
+    upcast (and the padded vocabulary's mask) forward only; with the entropy and the backward,
     LOGITS_FP32_COPIES_TRAIN of them."""
     vocab = padded_vocab_size(m.vocab, o.tp) // o.tp
     kept = tokens * vocab * o.param_bytes * (2 if training else 1)    # logits (+ their gradient)
     if training:
         kept += tokens * m.hidden * o.param_bytes
     work_tokens = min(tokens, o.logits_chunk_tokens) if o.lean_logits else tokens
-    return kept + work_tokens * vocab * 4 * (LOGITS_FP32_COPIES_TRAIN if training else LOGITS_FP32_COPIES_FORWARD)
+    padded = padded_vocab_size(m.vocab, o.tp) > m.vocab     # the last TP rank masks its padding
+    copies = LOGITS_FP32_COPIES_TRAIN if training else LOGITS_FP32_COPIES_FORWARD + padded
+    return kept + work_tokens * vocab * 4 * copies
 
 
 def optimizer_step_bytes(n: int, o: PlanOptions, r: RoleOptions, experts: int = 0) -> int:

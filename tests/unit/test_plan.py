@@ -61,7 +61,8 @@ def test_parameters_and_bytes_match_a_hand_count():
     last = p.table[1]["update_actor"]
     assert last["logits"] == 100 * 512 * 2 * 2 + 100 * 64 * 2 + 100 * 512 * 4 * 5
     assert last["activations"] == 1336 * 100 * 2 * 1
-    # Forward only: the logits and two fp32 temporaries, larger than a layer's forward peak (bf16:
+    # Forward only: the logits and two fp32 temporaries (the upcast; 1000 ids padded to 1024: the
+    # last TP rank masks its padding), larger than a layer's forward peak (bf16:
     # SwiGLU 5 x 128 / 2, four hidden-sized tensors 4 x 64 / 2) and never alive with it.
     assert p.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 512 * 4 * 2
     assert p.table[1]["old_log_prob"]["activations"] == 0
