@@ -359,13 +359,16 @@ def _layer_working_set(m: ModelShape, o: PlanOptions, r: RoleOptions, tokens: in
 def _logits(m: ModelShape, o: PlanOptions, tokens: int, training: bool) -> int:
     """The last stage's logits pass: the output layer's [tokens, V/t] logits in the compute dtype
     (and in training their gradient, and the gradient of the output layer's input: [tokens,
-    hidden], gathered under SP), and the log-prob kernel's fp32 work of a token chunk: the
+    hidden], gathered under SP; the local spec under SP also all-gathers its input into megatron's
+    global buffer), and the log-prob kernel's fp32 work of a token chunk: the
     upcast (and the padded vocabulary's mask) forward only; with the entropy and the backward,
     LOGITS_FP32_COPIES_TRAIN of them."""
     vocab = padded_vocab_size(m.vocab, o.tp) // o.tp
     kept = tokens * vocab * o.param_bytes * (2 if training else 1)    # logits (+ their gradient)
     if training:
         kept += tokens * m.hidden * o.param_bytes
+    if o.layer_spec == "local" and _widths(m, o)[0] > 1:   # the output layer's input, all-gathered
+        kept += tokens * m.hidden * o.param_bytes           # into megatron's global buffer
     work_tokens = min(tokens, o.logits_chunk_tokens) if o.lean_logits else tokens
     padded = padded_vocab_size(m.vocab, o.tp) > m.vocab     # the last TP rank masks its padding
     copies = LOGITS_FP32_COPIES_TRAIN if training else LOGITS_FP32_COPIES_FORWARD + padded

@@ -67,6 +67,11 @@ def test_parameters_and_bytes_match_a_hand_count():
     assert p.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 512 * 4 * 2
     assert p.table[1]["old_log_prob"]["activations"] == 0
     assert p.table[0]["old_log_prob"]["activations"] == 2 * (320 + 128) * 200
+    # The local spec under SP all-gathers the output layer's input into megatron's buffer (200 x 64
+    # bf16), and each layer's linear inputs likewise: the forward peak adds 64 per token.
+    lp = P.plan(m, local)
+    assert lp.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 64 * 2 + 200 * 512 * 4 * 2
+    assert lp.table[0]["old_log_prob"]["activations"] == 2 * (320 + 128 + 64) * 200
     assert p.table[0]["rollout"]["vLLM"] == int(0.5 * GiB)
     assert p.table[0]["update_actor"]["vLLM"] == 0            # asleep while training
     # Full recomputation keeps each layer's input (h / TP under SP) and rebuilds one layer, whose
