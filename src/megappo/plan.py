@@ -13,15 +13,20 @@ The arithmetic (bytes per GPU; P = parameters of the stage on this rank, t = TP,
 - weights: bf16 2P (fp32 4P). Gradients: megatron's DDP buffer in fp32 (grad_reduce_in_fp32), 4P.
   Optimizer: fp32 main weights + Adam's two moments, 12P, divided by d with the distributed
   optimizer (fp32 weights: only the moments, 8P).
-- activations per token per layer, bf16, flash attention (no s^2 term): the two norm inputs and
-  the two linear inputs (4h, divided by t under sequence parallelism), q/k/v and the attention
-  output ((2a + 2g) x head_dim / t), gate+up and the SwiGLU output (3f / t); plus flash
-  attention's fp32 log-sum-exp (a / t). Full recomputation keeps only each recomputed block's
-  input (h, /t under SP) and rebuilds one block at a time. A 1F1B pipeline stage s holds
-  PP - s micro-batches in flight; the interleaved schedule (PP-1-s)*2 + (VPP-1)*PP + 1 chunks.
+- activations per token per layer (layer_activation_bytes_per_token: counted from what autograd
+  saves in megatron's layer, for TransformerEngine's spec on a GPU or the local spec on a CPU and
+  in megappo.simulate): flash attention (no s^2 term), RoPE's rotated q/k, the unfused SwiGLU's
+  5 x FFN / t, the norms (TE: input and output; local: also an fp32 copy). Full recomputation
+  keeps only each recomputed block's input (h, /t under SP) and rebuilds one block at a time. A
+  1F1B pipeline stage s holds PP - s micro-batches in flight; the interleaved schedule
+  (PP-1-s)*2 + (VPP-1)*PP + 1 chunks. A layer's backward adds its gradients at the SwiGLU.
 - logits of the last stage: the output layer's [tokens, V/t] in the compute dtype, its gradient
   in training, and the log-prob/entropy kernel's fp32 work of a token chunk
-  (megappo.distributed.LOGITS_CHUNK_TOKENS; verl and megappo before chunking: the whole micro-batch).
+  (megappo.distributed.LOGITS_CHUNK_TOKENS; verl and megappo before chunking: the whole
+  micro-batch). A pass peaks at the larger of a layer's working set and the logits pass (never
+  alive together), on top of the kept activations.
+- the optimizer step: torch's foreach Adam holds an fp32 copy of the rank's shard after the pass
+  (only what exceeds the pass's peak adds).
 - vLLM: rollout.gpu_memory_utilization of the GPU while it generates and while it receives the
   actor's weights (sync: the actor's weights are back on the device then); nothing while asleep
   (rollout.free_cache_engine), all of it throughout otherwise.
@@ -43,12 +48,18 @@ from megappo.models import padded_vocab_size  # megatron's padding (128 x TP), a
 
 GiB = 2**30
 RESERVE_GB = 3.0                 # CUDA context (~0.5), NCCL buffers (~1), allocator slack
-LOGITS_FP32_COPIES = 3           # the kernel's fp32 work per logit: upcast, exp, gradient
+# fp32 [chunk, V/t] temporaries of megappo.distributed's log-prob kernel alive at once (counted by
+# megappo.simulate's accounting of the kernel alone): forward only, the upcast (and on the TP rank
+# holding the padded end of the vocabulary, the copy that masks it); log-probs + entropy with
+# their backward, five either way.
+LOGITS_FP32_COPIES_FORWARD = 1
+LOGITS_FP32_COPIES_TRAIN = 5
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
+GAP_TOLERANCE = 0.10              # the planner against the simulation: flagged beyond this
 SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config", "resident",
-           "LayoutError", "layout_problems", "simulated_totals", "render_simulation", "simulate_plan", "find_model_config", "padded_vocab_size", "main"]
+           "LayoutError", "layout_problems", "simulated_totals", "local_spec_plan", "optimizer_step_bytes", "render_simulation", "simulate_plan", "find_model_config", "padded_vocab_size", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +203,9 @@ class PlanOptions:
     vllm_sleeps: bool = True
     micro_batches: int = 1               # micro-batches per mini-batch (bounds the in-flight count)
     lean_logits: bool = True             # chunked log-prob/entropy kernel
+    # the decoder layer's spec: "te" (TransformerEngine's, a GPU with TE) or "local" (megatron's
+    # local spec with megappo's RMSNorm: CPU, a GPU without TE, and megappo.simulate)
+    layer_spec: str = "te"
     logits_chunk_tokens: int = 1024             # megappo.distributed.LOGITS_CHUNK_TOKENS
     actor: RoleOptions = field(default_factory=RoleOptions)
     critic: RoleOptions = field(default_factory=lambda: RoleOptions(present=False))
@@ -256,13 +270,63 @@ def resident(r: RoleOptions, active: bool, training: bool) -> dict[str, bool]:
             "optimizer": not (r.optimizer_offload and not (active and training))}
 
 
+def _widths(m: ModelShape, o: PlanOptions) -> tuple[float, float, float]:
+    """(sequence-parallel divisor of hidden-sized tensors, the MLP's width per token on this TP
+    rank (MoE: each token's top-k experts), attention heads on this rank)."""
+    sh = o.tp if (o.sequence_parallel and o.tp > 1) else 1
+    width = (m.experts_per_token * m.moe_ffn if m.experts else m.ffn) / o.tp
+    return sh, width, m.heads / o.tp
+
+
 def layer_activation_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Bytes one decoder layer keeps per token for its backward pass (bf16, flash attention)."""
-    sp = o.tp if (o.sequence_parallel and o.tp > 1) else 1
-    width = m.experts_per_token * m.moe_ffn if m.experts else m.ffn
-    extra_moe = m.hidden * m.experts_per_token / o.tp if m.experts else 0   # permuted tokens into the experts
-    elems = 4 * m.hidden / sp + ((2 * m.heads + 2 * m.groups) * m.head_dim + 3 * width) / o.tp + extra_moe
-    return 2 * elems + 4 * m.heads / o.tp
+    """Bytes one decoder layer keeps per token for its backward pass (compute dtype b, flash
+    attention: no [s, s] term), by the layer spec in use (``o.layer_spec``). Counted from the
+    tensors autograd saves in megatron-core 0.16.1's layer (megappo sets
+    bias_activation_fusion=False and apply_rope_fusion=False on either spec):
+
+    - attention, both specs: RoPE's rotated q and k (a + g) x head_dim, the fused qkv projection's
+      output (a + 2g) x head_dim, which v stays a view of, and the attention output a x head_dim
+      (all / TP); flash attention's fp32 log-sum-exp (a / TP); RoPE's cos and sin for q and for k
+      (4 x head_dim, whole);
+    - SwiGLU, both specs (megatron's unfused torch path): the fc1 output (2 x FFN), the SiLU's
+      output, the product's other factor and the product itself (3 x FFN): 5 x FFN / TP;
+    - norms, local spec (megappo's RMSNorm, fp32 like HF's): each of the two keeps an fp32 copy of
+      its input, the normalised bf16 tensor and its output (the next linear's input, kept before
+      the sequence-parallel gather): 4 + 2b bytes x hidden / SP each; q/k norms the same per
+      head: (4 + b) x (a + g) x head_dim / TP (their outputs go into RoPE, which keeps only
+      cos/sin);
+    - norms, TransformerEngine's spec: the fused norm+linear keeps the norm's input and output
+      (2b x hidden / SP) and an fp32 1/rms per token; the q/k norms keep their input (a view of the
+      qkv output) and 1/rms.
+    """
+    sh, width, heads = _widths(m, o)
+    b, hd = o.param_bytes, m.head_dim
+    attention = b * ((3 * m.heads + 3 * m.groups) * hd / o.tp) + 4 * heads + 4 * b * hd
+    mlp = b * 5 * width
+    moe = b * m.hidden * m.experts_per_token / o.tp if m.experts else 0    # the tokens permuted into the experts
+    if o.layer_spec == "local":
+        norms = 2 * (4 + 2 * b) * m.hidden / sh + (4 + b) * (m.heads + m.groups) * hd / o.tp * m.qk_norm
+    else:
+        norms = 2 * (2 * b * m.hidden + 4) / sh + 4 * (m.heads + m.groups) / o.tp * m.qk_norm
+    return attention + mlp + moe + norms
+
+
+def layer_backward_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Gradients alive together at a layer's backward peak, beyond what it saved: at the SwiGLU,
+    the gradient of the fc1 output (2 x FFN) and of its two halves (2 x FFN), compute dtype."""
+    return o.param_bytes * 4 * _widths(m, o)[1]
+
+
+def layer_forward_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """A forward-only pass's peak working set per token (no_grad: tensors die when unused), at the
+    SwiGLU: fc1's output (2 x FFN), the SiLU, the sum and the product (3 x FFN), with four
+    hidden-sized tensors alive in the callers (the stage's input, the layer's input, the residual
+    after attention and the MLP norm's output; / SP). The local spec under sequence parallelism
+    also all-gathers each linear's input into megatron's global memory buffer, [tokens, hidden],
+    which stays allocated from the first pass on (so the simulation sees it in its first pass)."""
+    sh, width, _ = _widths(m, o)
+    gather = m.hidden if o.layer_spec == "local" and sh > 1 else 0
+    return o.param_bytes * (5 * width + 4 * m.hidden / sh + gather)
 
 
 def _in_flight(o: PlanOptions, stage: int) -> float:
@@ -273,22 +337,67 @@ def _in_flight(o: PlanOptions, stage: int) -> float:
     return min(o.pp - stage, o.micro_batches)
 
 
-def _activations(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int) -> int:
+def _kept(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int) -> int:
+    """Activations a stage keeps across its layers during an update: every in-flight
+    micro-batch's saved layers, or with full recomputation only each recomputed block's input."""
     layers = m.layers // o.pp
-    per_layer = layer_activation_bytes_per_token(m, o) * tokens
-    sp = o.tp if (o.sequence_parallel and o.tp > 1) else 1
     if r.recompute == "full":
-        block = max(1, r.recompute_num_layers)
-        kept = 2 * m.hidden / sp * tokens * -(-layers // block)
-        return int(kept * _in_flight(o, stage) + per_layer * block)
-    return int(per_layer * layers * _in_flight(o, stage))
+        sh = _widths(m, o)[0]
+        return int(o.param_bytes * m.hidden / sh * tokens * -(-layers // max(1, r.recompute_num_layers))
+                   * _in_flight(o, stage))
+    return int(layer_activation_bytes_per_token(m, o) * tokens * layers * _in_flight(o, stage))
+
+
+def _layer_working_set(m: ModelShape, o: PlanOptions, r: RoleOptions, tokens: int) -> int:
+    """Beyond the kept activations, the most one layer's backward adds: a recomputed block is
+    rebuilt (its layers' saved tensors) and then differentiated (the gradients at the SwiGLU);
+    without recomputation only the gradients are new."""
+    rebuilt = max(1, r.recompute_num_layers) * layer_activation_bytes_per_token(m, o) if r.recompute == "full" else 0
+    return int((rebuilt + layer_backward_bytes_per_token(m, o)) * tokens)
 
 
 def _logits(m: ModelShape, o: PlanOptions, tokens: int, training: bool) -> int:
+    """The last stage's logits pass: the output layer's [tokens, V/t] logits in the compute dtype
+    (and in training their gradient, and the gradient of the output layer's input: [tokens,
+    hidden], gathered under SP; the local spec under SP also all-gathers its input into megatron's
+    global buffer), and the log-prob kernel's fp32 work of a token chunk: the
+    upcast (and the padded vocabulary's mask) forward only; with the entropy and the backward,
+    LOGITS_FP32_COPIES_TRAIN of them."""
     vocab = padded_vocab_size(m.vocab, o.tp) // o.tp
     kept = tokens * vocab * o.param_bytes * (2 if training else 1)    # logits (+ their gradient)
+    if training:
+        kept += tokens * m.hidden * o.param_bytes
+    if o.layer_spec == "local" and _widths(m, o)[0] > 1:   # the output layer's input, all-gathered
+        kept += tokens * m.hidden * o.param_bytes           # into megatron's global buffer
     work_tokens = min(tokens, o.logits_chunk_tokens) if o.lean_logits else tokens
-    return kept + work_tokens * vocab * 4 * LOGITS_FP32_COPIES
+    padded = padded_vocab_size(m.vocab, o.tp) > m.vocab     # the last TP rank masks its padding
+    copies = LOGITS_FP32_COPIES_TRAIN if training else LOGITS_FP32_COPIES_FORWARD + padded
+    return kept + work_tokens * vocab * 4 * copies
+
+
+def optimizer_step_bytes(n: int, o: PlanOptions, r: RoleOptions, experts: int = 0) -> int:
+    """torch's foreach Adam(W) holds one fp32 temporary per element of the rank's optimizer shard
+    while it steps (``_foreach_sqrt`` of the second moment, for the update's denominator);
+    TransformerEngine's fused Adam would not, but megatron-core falls back to torch's without
+    TE or apex. Only the main weights' shard: the gradients are views of DDP's buffer."""
+    if not r.trains:
+        return 0
+    edp = max(1, o.tp * o.dp // o.ep)
+    return 4 * ((n - experts) // o.dp + experts // edp) if r.distributed_optimizer else 4 * n
+
+
+def _pass_items(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int, training: bool,
+                logits: bool) -> dict[str, int]:
+    """A pass's transient memory. Its peak is the larger of the layers' working set and the
+    logits pass (the last stage's logits and their gradient are freed before the layers'
+    backward starts; in a forward-only pass a layer's tensors are freed before the output layer
+    runs): the smaller of the two is left out of the row."""
+    if training:
+        kept, layer = _kept(m, o, r, stage, tokens), _layer_working_set(m, o, r, tokens)
+    else:
+        kept, layer = 0, int(layer_forward_bytes_per_token(m, o) * tokens)
+    lg = _logits(m, o, tokens, training) if logits else 0
+    return {"activations": kept + (layer if layer >= lg else 0), "logits": lg if lg > layer else 0}
 
 
 def plan(m: ModelShape, o: PlanOptions) -> Plan:
@@ -318,12 +427,10 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
                 r = roles[name]
                 training = phase.startswith("update")
                 tokens = r.train_tokens if training else r.forward_tokens
-                if training:
-                    row["activations"] = _activations(m, o, r, s, tokens)
-                else:   # forward only: one layer's working set at a time
-                    row["activations"] = int(layer_activation_bytes_per_token(m, o) * tokens)
-                if s == o.pp - 1 and name != "critic":
-                    row["logits"] = _logits(m, o, tokens, training)
+                row.update(_pass_items(m, o, r, s, tokens, training, logits=s == o.pp - 1 and name != "critic"))
+                if training:   # the step runs after the pass: only what it holds beyond the pass adds
+                    step = optimizer_step_bytes(params[name], o, r, experts)
+                    row["optimizer step"] = max(0, step - row["activations"] - row["logits"])
             out.table[s][phase] = row
     return out
 
@@ -376,6 +483,9 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), ep=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
+        # a GPU run is planned with TransformerEngine's layers (megappo uses them wherever TE
+        # imports); the CPU path runs the local spec
+        layer_spec="local" if cfg.trainer.device == "cpu" else "te",
         # split placement: vLLM has GPUs of its own; the plan is of a training GPU
         vllm_fraction=0.0 if lay.split else ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine,
         micro_batches=micro,
@@ -467,10 +577,18 @@ def simulated_totals(p: Plan, result) -> dict[str, int]:
     return out
 
 
+def local_spec_plan(p: Plan) -> Plan:
+    """Plan ``p`` for megatron's local layer spec, the one megappo.simulate builds (its layers
+    keep more than TransformerEngine's: fp32 norm copies): the plan to compare a simulation with."""
+    return p if p.options.layer_spec == "local" else plan(p.model, replace(p.options, layer_spec="local"))
+
+
 def render_simulation(p: Plan, results: list) -> str:
-    """The simulated peak of each phase beside the plan's, per simulated stage."""
+    """The simulated peak of each phase beside the plan's (for the local layer spec the
+    simulation builds), per simulated stage."""
     from megappo.simulate import LABEL
 
+    p = local_spec_plan(p)
     o = p.options
     lines = [f"simulated memory per GPU ({LABEL}): {p.model.name or 'model'}, TP{o.tp} PP{o.pp}"
              + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if p.model.experts else "")
@@ -480,15 +598,17 @@ def render_simulation(p: Plan, results: list) -> str:
         for name, st in r.state.items():
             lines.append(f"    {name:<7} state  weights {st.weights / GiB:.2f}, grads {st.grads / GiB:.2f}, "
                          f"optimizer {st.optimizer / GiB:.2f} GiB ({r.parameters[name] / 1e9:.3f}B parameters)")
-        lines.append(f"    {'phase':<14} {'simulated':>9} {'planned':>9}   pass peak (simulated / planned "
-                     "activations + logits)")
+        lines.append(f"    {'phase':<14} {'simulated':>9} {'planned':>9} {'gap':>5}   pass peak (simulated / planned "
+                     "activations + logits; local layer spec)")
         totals = simulated_totals(p, r)
         for phase, total in totals.items():
             row = p.table[r.stage][phase]
             planned_pass = row.get("activations", 0) + row.get("logits", 0)
-            step = f", optimizer step {r.steps[phase] / GiB:.1f}" if phase in r.steps else ""
-            lines.append(f"    {phase:<14} {total / GiB:7.1f} GiB {p.total(r.stage, phase) / GiB:5.1f} GiB   "
-                         f"{r.passes[phase] / GiB:.1f} / {planned_pass / GiB:.1f}{step}")
+            step = (f", optimizer step {r.steps[phase] / GiB:.1f} / {row.get('optimizer step', 0) / GiB:.1f} beyond the pass"
+                    if phase in r.steps else "")
+            gap = p.total(r.stage, phase) / total - 1
+            lines.append(f"    {phase:<14} {total / GiB:7.1f} GiB {p.total(r.stage, phase) / GiB:5.1f} GiB {gap:+5.0%}"
+                         f"{'!' if abs(gap) > GAP_TOLERANCE else ' '}  {r.passes[phase] / GiB:.1f} / {planned_pass / GiB:.1f}{step}")
     return "\n".join(lines)
 
 

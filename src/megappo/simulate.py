@@ -34,6 +34,9 @@ never sees these):
   flash attention (TransformerEngine) never does: core attention is
   ``scaled_dot_product_attention``, whose fake kernel keeps what flash attention keeps (the
   output and the log-sum-exp);
+- megatron's global memory buffer (the local spec's sequence-parallel all-gathers) persists
+  from the first pass on: it is released before each simulated pass, so that each pass's peak
+  counts it (:func:`_release_gather_buffer`);
 - Mixture-of-Experts: the alltoall dispatcher sizes its buffers from token counts read back
   from the device (``.numpy()``, ``.tolist()``): routing is taken as balanced
   (:class:`BalancedDispatch`).
@@ -214,10 +217,12 @@ def simulation_patches():
         yield
 
 
-def stage_rank(stage: int, world: int, pp: int) -> int:
-    """The global rank of TP rank 0, DP rank 0 of a pipeline stage (megatron's default order
-    tp-cp-ep-dp-pp: the pipeline rank is the slowest)."""
-    return stage * (world // pp)
+def stage_rank(stage: int, world: int, pp: int, tp: int = 1) -> int:
+    """The global rank of the last TP rank, DP rank 0 of a pipeline stage (megatron's default
+    order tp-cp-ep-dp-pp: the pipeline rank is the slowest, the TP rank the fastest). The last TP
+    rank holds the padded end of the vocabulary, whose masking costs the log-prob kernel one more
+    temporary: the stage's largest rank."""
+    return stage * (world // pp) + tp - 1
 
 
 @contextlib.contextmanager
@@ -378,6 +383,16 @@ def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) 
                                     forward_only=forward_only)
 
 
+def _release_gather_buffer() -> None:
+    """Drop megatron's global memory buffer (the local spec's sequence-parallel all-gathers land
+    in it, [tokens, hidden]): it stays allocated from a rank's first pass on, so every pass after
+    the first holds it; released before each simulated pass, each pass's peak counts it, as the
+    planner does, instead of the first pass alone."""
+    from megatron.core import parallel_state as ps
+
+    ps.get_global_memory_buffer().buffer.clear()
+
+
 def _micro_batches(o, training: bool) -> int:
     """Micro-batches a pass runs: enough for the 1F1B/interleaved schedule's steady state (the
     most a stage holds in flight), no more than a mini-batch has."""
@@ -396,7 +411,7 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES, fake: bool 
 
     start = time.monotonic()
     world = o.tp * o.pp * o.dp
-    rank = stage_rank(stage, world, o.pp)
+    rank = stage_rank(stage, world, o.pp, o.tp)
     result = StageResult(stage=stage, rank=rank)
     mem = LiveBytes()
     moe = bool(hf.get("num_experts"))
@@ -413,6 +428,7 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES, fake: bool 
                     continue
                 r = getattr(o, name)
                 training = phase.startswith("update")
+                _release_gather_buffer()
                 base = mem.reset_peak()
                 _run_pass(roles[name], r.train_tokens if training else r.forward_tokens,
                           _micro_batches(o, training), forward_only=not training)

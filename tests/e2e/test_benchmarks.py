@@ -81,4 +81,4 @@ def test_async_benchmark_quick_ends_with_json():
 def test_simulate_recipes_benchmark_quick_ends_with_json():
     figures = quick_figures("simulate_recipes.py", 600)
     assert set(figures) == {"qwen2.5_0.5b"} and "error" not in figures["qwen2.5_0.5b"]
-    assert figures["qwen2.5_0.5b"]["max_gap_pct"] >= 0
+    assert figures["qwen2.5_0.5b"]["max_gap_pct"] >= 0 and figures["qwen2.5_0.5b"]["over_10pct"] == {}

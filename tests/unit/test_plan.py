@@ -40,19 +40,48 @@ def test_parameters_and_bytes_match_a_hand_count():
     assert row["actor weights"] == 2 * n0                   # bf16
     assert row["actor grads"] == 4 * n0                     # fp32 DDP buffer
     assert row["actor optimizer"] == 12 * n0 // 4           # fp32 main + 2 moments, sharded over DP4
-    # Activations per token per layer at TP2 with SP: 4h/2 = 128, (2a + 2g) d / 2 = 96, 3f / 2 = 192
-    # elements -> 2 x 416 bytes + fp32 lse 4 x 4/2 = 840 bytes; 2 layers, 100 tokens, PP - 0 = 2 in flight.
-    assert P.layer_activation_bytes_per_token(m, o) == 840
-    assert row["activations"] == 840 * 100 * 2 * 2
-    assert "logits" not in row and p.table[1]["update_actor"]["activations"] == 840 * 100 * 2 * 1
-    # Last stage logits: 100 x 512 bf16 logits and their gradient + the kernel's fp32 work (3 copies).
-    assert p.table[1]["update_actor"]["logits"] == 100 * 512 * 2 * 2 + 100 * 512 * 4 * 3
-    assert p.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 512 * 4 * 3
+    # Saved activations per token per layer at TP2 with SP, bf16, TransformerEngine's spec: rotated
+    # q, k (6 x 16 / 2), the qkv output (8 x 16 / 2), the attention output (4 x 16 / 2): 144 x 2 B;
+    # fp32 log-sum-exp 4 x 4 / 2 = 8 B; RoPE's cos and sin for q and k 4 x 16 x 2 = 128 B; SwiGLU
+    # 5 x 128 / 2 x 2 = 640 B; two fused norms keep input and output (2 x 64 x 2 B) and an fp32
+    # 1/rms, over SP: 2 x 260 / 2 = 260 B; q/k norms' 1/rms per head 4 x 6 / 2 = 12 B. 1336 B.
+    assert P.layer_activation_bytes_per_token(m, o) == 288 + 8 + 128 + 640 + 260 + 12
+    # The local spec's norms keep an fp32 copy, the normalised and the output tensor: 2 x (4 + 2 + 2)
+    # x 64 / 2 = 512 B; q/k norms fp32 + bf16 of 6 heads x 16 / 2: 6 x 48 = 288 B.
+    local = replace(o, layer_spec="local")
+    assert P.layer_activation_bytes_per_token(m, local) == 288 + 8 + 128 + 640 + 512 + 288
+    # 2 layers, 100 tokens, PP - 0 = 2 in flight, and the backward's gradients at the SwiGLU:
+    # fc1's output and its two halves, 4 x 128 / 2 x 2 B = 512 B per token.
+    assert row["activations"] == 1336 * 100 * 2 * 2 + 512 * 100 and row["logits"] == 0
+    # the optimizer step's fp32 temporary of the DP4 shard (n0 / 4 x 4 B) is less than the pass
+    assert P.optimizer_step_bytes(n0, o, o.actor) == n0 and row["optimizer step"] == 0
+    # Last stage: 100 x 512 bf16 logits, their gradient, the output layer's input gradient (100 x
+    # 64 x 2 B) and five fp32 [100, 512] temporaries of the kernel: more than the layer's
+    # backward, which runs after the logits are freed (so only the kept layers add).
+    last = p.table[1]["update_actor"]
+    assert last["logits"] == 100 * 512 * 2 * 2 + 100 * 64 * 2 + 100 * 512 * 4 * 5
+    assert last["activations"] == 1336 * 100 * 2 * 1
+    # Forward only: the logits and two fp32 temporaries (the upcast; 1000 ids padded to 1024: the
+    # last TP rank masks its padding), larger than a layer's forward peak (bf16:
+    # SwiGLU 5 x 128 / 2, four hidden-sized tensors 4 x 64 / 2) and never alive with it.
+    assert p.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 512 * 4 * 2
+    assert p.table[1]["old_log_prob"]["activations"] == 0
+    assert p.table[0]["old_log_prob"]["activations"] == 2 * (320 + 128) * 200
+    # The local spec under SP all-gathers the output layer's input into megatron's buffer (200 x 64
+    # bf16), and each layer's linear inputs likewise: the forward peak adds 64 per token.
+    lp = P.plan(m, local)
+    assert lp.table[1]["old_log_prob"]["logits"] == 200 * 512 * 2 + 200 * 64 * 2 + 200 * 512 * 4 * 2
+    assert lp.table[0]["old_log_prob"]["activations"] == 2 * (320 + 128 + 64) * 200
     assert p.table[0]["rollout"]["vLLM"] == int(0.5 * GiB)
     assert p.table[0]["update_actor"]["vLLM"] == 0            # asleep while training
-    # Full recomputation keeps each layer's input (h / TP under SP) and rebuilds one layer.
+    # Full recomputation keeps each layer's input (h / TP under SP) and rebuilds one layer, whose
+    # backward then adds its gradients.
     rc = P.plan(m, replace(o, actor=replace(o.actor, recompute="full")))
-    assert rc.table[0]["update_actor"]["activations"] == int(2 * 32 * 100 * 2 * 2 + 840 * 100)
+    assert rc.table[0]["update_actor"]["activations"] == 2 * 32 * 100 * 2 * 2 + (1336 + 512) * 100
+    # A large optimizer shard (DP1) steps above the recomputed pass: only the excess adds.
+    dp1 = P.plan(m, replace(o, dp=1, actor=replace(o.actor, recompute="full")))
+    pass0 = dp1.table[0]["update_actor"]["activations"]
+    assert dp1.table[0]["update_actor"]["optimizer step"] == 4 * n0 - pass0 > 0
     # Offload: idle roles' state leaves the GPU; an active role's stays.
     off = P.plan(m, replace(o, actor=replace(o.actor, param_offload=True, grad_offload=True, optimizer_offload=True)))
     assert off.table[0]["rollout"]["actor weights"] == 0 and off.table[0]["rollout"]["actor optimizer"] == 0
@@ -110,14 +139,14 @@ def test_recipes_without_offload(recipe, gpu, fits):
 
 
 def test_without_recomputation_the_update_is_the_peak():
-    """With offload the rollout is light; the update's activations then set the peak (52 GiB at
-    the 24k-token budget on stage 0, two micro-batches in flight), and a 32k budget needs
-    recomputation on 80 GiB."""
+    """With offload the rollout is light; the update's activations then set the peak: at a 12k-token
+    budget it fits on stage 0 (two micro-batches in flight); at the recipe's 24k (78 GiB of
+    activations: megatron's unfused SwiGLU keeps 5 x FFN per token) it needs recomputation on 80 GiB."""
     off = "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=null"
-    r = _plan_cli("--config", "parallel_configs/qwen3_8b.yaml", "trainer.gpu_memory_gb=80", off)
-    assert r.returncode == 0 and "(stage 0, update_actor) of 77.0 GiB usable: FITS" in r.stdout, r.stdout
     r = _plan_cli("--config", "parallel_configs/qwen3_8b.yaml", "trainer.gpu_memory_gb=80", off,
-                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768")
+                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12288")
+    assert r.returncode == 0 and "(stage 0, update_actor) of 77.0 GiB usable: FITS" in r.stdout, r.stdout
+    r = _plan_cli("--config", "parallel_configs/qwen3_8b.yaml", "trainer.gpu_memory_gb=80", off)
     assert r.returncode == 1 and "(stage 0, update_actor) of 77.0 GiB usable: DOES NOT FIT" in r.stdout, r.stdout
     assert "cheapest fix: full activation recomputation" in r.stdout, r.stdout
 
