@@ -59,7 +59,7 @@ GAP_TOLERANCE = 0.10              # the planner against the simulation: flagged 
 SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
 __all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config", "resident",
-           "LayoutError", "layout_problems", "simulated_totals", "local_spec_plan", "optimizer_step_bytes", "render_simulation", "simulate_plan", "find_model_config", "padded_vocab_size", "main"]
+           "LayoutError", "layout_problems", "simulated_totals", "local_spec_plan", "optimizer_step_bytes", "render_simulation", "simulate_plan", "step_flops", "compute_lines", "find_model_config", "padded_vocab_size", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +207,11 @@ class PlanOptions:
     # local spec with megappo's RMSNorm: CPU, a GPU without TE, and megappo.simulate)
     layer_spec: str = "te"
     logits_chunk_tokens: int = 1024             # megappo.distributed.LOGITS_CHUNK_TOKENS
+    # what one DP rank's passes cover per step (the step's compute, megappo.plan --simulate):
+    # its share of the batch's samples at full prompt + response length, and the update epochs
+    step_tokens: int = 0
+    actor_epochs: int = 1
+    critic_epochs: int = 1
     actor: RoleOptions = field(default_factory=RoleOptions)
     critic: RoleOptions = field(default_factory=lambda: RoleOptions(present=False))
     ref: RoleOptions = field(default_factory=lambda: RoleOptions(present=False, trains=False))
@@ -489,6 +494,8 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         # split placement: vLLM has GPUs of its own; the plan is of a training GPU
         vllm_fraction=0.0 if lay.split else ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine,
         micro_batches=micro,
+        step_tokens=d.train_batch_size * ro.n * seq // max(1, lay.dp),
+        actor_epochs=act.ppo_epochs, critic_epochs=c.ppo_epochs,
         actor=actor, critic=critic, ref=ref)
 
 
@@ -609,7 +616,36 @@ def render_simulation(p: Plan, results: list) -> str:
             gap = p.total(r.stage, phase) / total - 1
             lines.append(f"    {phase:<14} {total / GiB:7.1f} GiB {p.total(r.stage, phase) / GiB:5.1f} GiB {gap:+5.0%}"
                          f"{'!' if abs(gap) > GAP_TOLERANCE else ' '}  {r.passes[phase] / GiB:.1f} / {planned_pass / GiB:.1f}{step}")
+    lines += compute_lines(o, results)
     return "\n".join(lines)
+
+
+PLANNING_MFU = 0.4
+PLANNING_GPU = "H100 SXM"
+
+
+def step_flops(o: PlanOptions, r) -> float:
+    """One simulated stage rank's FLOPs in a step: each phase's FLOPs per token in the simulated
+    pass times the tokens its DP rank runs per step (full lengths), the updates once per epoch.
+    The rollout's generation is not included."""
+    epochs = {"update_actor": o.actor_epochs, "update_critic": o.critic_epochs}
+    return sum(r.flops[ph] / r.tokens[ph] * o.step_tokens * epochs.get(ph, 1) for ph in r.flops if r.tokens[ph])
+
+
+def compute_lines(o: PlanOptions, results: list, gpu: str = PLANNING_GPU, mfu: float = PLANNING_MFU) -> list:
+    """The step's training compute per GPU from the simulated passes, and what it takes at
+    ``mfu`` of ``gpu``'s dense bf16 peak: a planning figure, not a measurement."""
+    from megappo.metrics import peak_flops
+
+    if not o.step_tokens or not results:
+        return []
+    peak = peak_flops(gpu)
+    worst = max(results, key=lambda r: step_flops(o, r))
+    flops = step_flops(o, worst)
+    return [f"  compute per GPU per step (the training passes at full lengths with their "
+            f"recomputation, generation not included; attention as full products): {flops / 1e12:,.0f} TFLOP on pipeline stage {worst.stage}; at {mfu:.0%} MFU of an "
+            f"{gpu} ({peak / 1e12:,.0f} TFLOP/s dense bf16) this step takes {flops / (mfu * peak):,.1f} s "
+            f"(a planning figure)"]
 
 
 def simulate_plan(p: Plan, hf: dict, stages=None) -> list:

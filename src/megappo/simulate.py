@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveBytes", "FlashCoreAttention", "BalancedDispatch", "RoleBytes", "StageResult", "simulation_patches",
-           "fake_world", "stage_rank", "simulate_stage", "SIMULATED_PHASES", "LABEL"]
+           "fake_world", "stage_rank", "simulate_stage", "FlopCount", "SIMULATED_PHASES", "LABEL"]
 
 LABEL = "simulated, not measured on a GPU"
 SIMULATED_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
@@ -275,6 +275,8 @@ class StageResult:
     transient: dict = field(default_factory=dict)      # phase -> bytes (the larger of the two below)
     passes: dict = field(default_factory=dict)         # phase -> bytes of the schedule's pass
     steps: dict = field(default_factory=dict)          # update phase -> bytes of the optimizer step
+    flops: dict = field(default_factory=dict)          # phase -> this rank's FLOPs in the pass
+    tokens: dict = field(default_factory=dict)         # phase -> tokens the pass ran through this rank
     seconds: float = 0.0
 
 
@@ -354,9 +356,39 @@ def _loss(role: _Role, forward_only: bool, ids, output):
     return (lp + ent).sum(), {}
 
 
-def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) -> None:
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the ops run under it, by torch's formulas (torch.utils.flop_counter's registry:
+    matrix products, convolutions, attention), taught the CPU's attention kernel, which the
+    registry lacks: the same two (forward) and five (backward) products as flash attention. Like
+    torch's formulas it counts attention as full, not causal, products. Unlike torch's
+    FlopCounterMode it keeps no module hooks and no reference to any tensor: it sits inside the
+    memory accounting without changing what is live."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+        aten = torch.ops.aten
+        self.total = 0
+        self.formulas = {**flop_registry,
+                         aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(
+                             lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)),
+                         aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
+                             lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v))}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) -> int:
     """``micro_batches`` micro-batches of ``tokens`` tokens (one row) through megatron's schedule
-    (forward and backward when training; the optimizer step is the caller's)."""
+    (forward and backward when training; the optimizer step is the caller's). Returns the tokens
+    that went through."""
     from functools import partial
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -381,6 +413,7 @@ def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) 
                                     model=models if len(models) > 1 else models[0],
                                     num_microbatches=micro_batches, seq_length=width, micro_batch_size=1,
                                     forward_only=forward_only)
+    return width * micro_batches
 
 
 def _release_gather_buffer() -> None:
@@ -430,8 +463,10 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES, fake: bool 
                 training = phase.startswith("update")
                 _release_gather_buffer()
                 base = mem.reset_peak()
-                _run_pass(roles[name], r.train_tokens if training else r.forward_tokens,
-                          _micro_batches(o, training), forward_only=not training)
+                with FlopCount() as flops:
+                    result.tokens[phase] = _run_pass(roles[name], r.train_tokens if training else r.forward_tokens,
+                                                     _micro_batches(o, training), forward_only=not training)
+                result.flops[phase] = flops.total
                 result.passes[phase] = mem.peak - base
                 if training:   # the gradients stay in their buffers; the step's temporaries come on top
                     base = mem.reset_peak()

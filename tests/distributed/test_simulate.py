@@ -106,6 +106,7 @@ def test_plan_simulate_prints_simulated_beside_planned(tmp_path):
     out = r.stdout
     assert "simulated memory per GPU (simulated, not measured on a GPU)" in out and "TP2 PP2 DP2, world 8" in out
     assert "pipeline stage 1 (rank 5" in out and "pipeline stage 0 (rank" not in out
+    assert "compute per GPU per step (the training passes at full lengths" in out and "(a planning figure)" in out
     for phase in ("old_log_prob", "values", "update_critic", "update_actor"):
         assert any(line.split()[:1] == [phase] and line.count("GiB") == 2 for line in out.splitlines()
                    if "rank" not in line), phase
@@ -173,3 +174,61 @@ def test_planner_is_within_ten_percent_of_the_simulation_at_real_width():
     for what, col in (("total", 2), ("pass", 4), ("optimizer step", 6)):
         gaps = {(row[0], row[1]): round(row[col + 1] / row[col] - 1, 3) for row in rows if row[col]}
         assert gaps and all(abs(g) <= 0.10 for g in gaps.values()), (what, gaps)
+
+
+FLOPS = """
+import json, sys, torch, transformers
+from megappo import plan as P, simulate as S
+hf = json.loads(sys.argv[1])
+role = lambda **kw: P.RoleOptions(train_tokens=512, forward_tokens=512, **kw)
+o = P.PlanOptions(tp=1, pp=1, dp=1, micro_batches=1, actor=role(), critic=role(recompute="full"),
+                  step_tokens=4096, actor_epochs=2, critic_epochs=1)
+r = S.simulate_stage(hf, o, 0)
+cfg = transformers.AutoConfig.for_model(**hf)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+m = transformers.AutoModelForCausalLM.from_config(cfg)
+ids = torch.randint(0, hf["vocab_size"], (1, 512))
+from torch.utils.flop_counter import FlopCounterMode
+aten = torch.ops.aten
+cpu = {aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: 4 * q[0] * q[1] * q[2] * k[2] * q[3],
+       aten._scaled_dot_product_flash_attention_for_cpu_backward:
+           lambda g, q, k, v, *a, out_shape=None, **kw: 10 * q[0] * q[1] * q[2] * k[2] * q[3]}
+with FlopCounterMode(display=False, custom_mapping=cpu) as fwd, torch.no_grad():   # torch's own counter
+    m(ids)
+with FlopCounterMode(display=False, custom_mapping=cpu) as train:
+    m(ids).logits.float().log_softmax(-1).sum().backward()
+print(json.dumps({"sim": r.flops, "tokens": r.tokens, "hf_fwd": fwd.get_total_flops(),
+                  "hf_train": train.get_total_flops(), "step": P.step_flops(o, r),
+                  "lines": P.compute_lines(o, [r])}))
+"""
+
+
+def test_simulated_flops_equal_transformers_counted_the_same_way():
+    """The simulated passes' FLOPs (megatron's layers, fake tensors, megappo's counting mode)
+    against transformers' model of the same config run on real tensors under torch's
+    FlopCounterMode (attention: 4 b h s s d forward, 10 backward, as its flash formulas): the
+    actor's log-prob pass
+    equals its forward, the actor's update its forward and backward; the critic's forward has a
+    one-unit head instead of the vocabulary, its update one more forward of the layers (full
+    recomputation). The step's figure is those per token times the tokens and epochs."""
+    hf = dict(TINY, vocab_size=1024)   # no vocabulary padding: the same output layer on both sides
+    r = subprocess.run([sys.executable, "-c", FLOPS, json.dumps(hf)], capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    sim, T = got["sim"], 512
+    assert got["tokens"] == dict.fromkeys(sim, T)
+    assert sim["old_log_prob"] == got["hf_fwd"] > 0
+    assert sim["update_actor"] == got["hf_train"] > 2.9 * got["hf_fwd"]
+    head = 2 * T * H * 1024
+    assert sim["values"] == got["hf_fwd"] - head + 2 * T * H
+    layers = got["hf_fwd"] - head          # the forward of the decoder layers alone
+    assert sim["update_critic"] == got["hf_train"] - 3 * head + 3 * 2 * T * H + layers
+    per_token = {k: v / T for k, v in sim.items()}
+    want = 4096 * (per_token["old_log_prob"] + per_token["values"] + 2 * per_token["update_actor"]
+                   + per_token["update_critic"])
+    assert got["step"] == pytest.approx(want, rel=1e-12)
+    (line,) = got["lines"]
+    assert f"{want / 1e12:,.0f} TFLOP on pipeline stage 0; at 40% MFU of an H100 SXM (989 TFLOP/s" in line
+    assert line.endswith(f"this step takes {want / (0.4 * 989.4e12):,.1f} s (a planning figure)")
