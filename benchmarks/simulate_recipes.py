@@ -30,6 +30,12 @@ LAUNCH_OVERRIDES = {"qwen2.5_0.5b": ["actor_rollout_ref.model.path=Qwen/Qwen2.5-
                                      "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
                     + [f"{k}=16384" for k in _BUDGET]}
 
+# Layouts beyond the recipes' own, so that the simulated shapes reach PP4 with virtual stages:
+# name -> (the recipe it starts from, what it changes)
+_PP = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+EXTRA_LAYOUTS = {"qwen3_32b_tp4_pp4_vpp2": ("qwen3_32b", [f"{role}.megatron.{k}={v}" for role in (
+    "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic") for k, v in zip(_PP, (4, 4, 2))])}
+
 ONE = """
 import json, sys
 from megappo import plan as P
@@ -49,8 +55,9 @@ print(json.dumps(rows))
 
 def simulate(recipe: str, gpu_memory_gb: float) -> dict:
     start = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", ONE, str(REPO / "parallel_configs" / f"{recipe}.yaml"), str(gpu_memory_gb),
-                        json.dumps(LAUNCH_OVERRIDES.get(recipe, []))], capture_output=True, text=True, cwd=REPO)
+    base, extra = EXTRA_LAYOUTS.get(recipe, (recipe, []))
+    p = subprocess.run([sys.executable, "-c", ONE, str(REPO / "parallel_configs" / f"{base}.yaml"), str(gpu_memory_gb),
+                        json.dumps(LAUNCH_OVERRIDES.get(base, []) + extra)], capture_output=True, text=True, cwd=REPO)
     out = {"seconds": round(time.monotonic() - start, 1)}
     if p.returncode != 0:
         lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
@@ -65,11 +72,11 @@ def simulate(recipe: str, gpu_memory_gb: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--recipes", nargs="*", help="parallel_configs/ names (default: all)")
+    ap.add_argument("--recipes", nargs="*", help="parallel_configs/ names or EXTRA_LAYOUTS' (default: all)")
     ap.add_argument("--quick", action="store_true", help="the smallest recipe only")
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0)
     args = ap.parse_args()
-    recipes = args.recipes or sorted(p.stem for p in (REPO / "parallel_configs").glob("*.yaml"))
+    recipes = args.recipes or sorted(p.stem for p in (REPO / "parallel_configs").glob("*.yaml")) + list(EXTRA_LAYOUTS)
     if args.quick:
         recipes = ["qwen2.5_0.5b"]
     summary = {}

@@ -5,6 +5,7 @@ config -> validate -> (init -> build -> fit). Every rank runs this same program.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -68,9 +69,28 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
         bad = {k for k, _ in errors}
         errors += [(k, f"{m} [value from {source_of(sources, k)}]" if k in all_keys() else m)
                    for k, m in e.errors if k not in bad]
+    if not errors:
+        errors += _layout_errors(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg, warnings
+
+
+def _layout_errors(cfg: PPOConfig) -> list:
+    """A layout the model cannot be built at (TP not dividing its heads, layers not divisible by
+    PP x VPP, experts by EP), named before anything starts -- also in a dry run -- when the
+    model's config.json can be read (a folder, the hub cache, or a shipped config of that name)."""
+    from megappo import hub, plan
+
+    source = cfg.actor_rollout_ref.model.path
+    try:
+        path = plan.find_model_config(source)
+        shape = plan.model_shape(json.loads(path.read_text()), name=path.parent.name)
+    except (FileNotFoundError, OSError, ValueError, KeyError, hub.HubError):
+        return []   # not readable here (a path on the cluster): the model's build checks it later
+    problems = plan.layout_problems(shape, plan.options_from_config(cfg, gpu_memory_gb=80.0))
+    return [("actor_rollout_ref.actor.megatron", f"the layout cannot be built for {source}: " + "; ".join(problems))
+            ] if problems else []
 
 
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")

@@ -54,3 +54,17 @@ def test_dry_run_of_a_launch_recipe_stops_on_the_layout_bug():
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "num_hidden_layers (36) is not divisible by pipeline_model_parallel_size x virtual stages (2 x 5)" in r.stderr
+
+
+def test_train_dry_run_names_the_layout_bug_before_anything_starts(capsys):
+    """python -m megappo.train --dry-run reads the model's config.json (here the shipped
+    Qwen3-8B one, by the recipe's hub id) and refuses TP16 for 8 key/value heads with the key."""
+    from megappo.train import main
+
+    rc = main(["--dry-run", "--config", str(REPO / "parallel_configs/qwen3_8b.yaml"), "trainer.n_gpus_per_node=16",
+               A + "tensor_model_parallel_size=16", A + "pipeline_model_parallel_size=1"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert ("actor_rollout_ref.actor.megatron: the layout cannot be built for Qwen/Qwen3-8B: num_key_value_heads (8) "
+            "is not divisible by tensor_model_parallel_size (16)") in err
+    assert main(["--dry-run", "--config", str(REPO / "parallel_configs/qwen3_8b.yaml")]) == 0
