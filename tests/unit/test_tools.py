@@ -8,25 +8,8 @@ import pytest
 from megappo.tools import (FunctionTool, Tool, ToolConfigError, function_tool, load_tools, normalise_result,
                            read_tool_config, schema_from_function, tools_from_config, tools_from_file)
 
-# verl's GSM8K tool config (examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, verl v0.7.0)
-GSM8K_TOOL_CONFIG = """\
-tools:
-  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config:
-      type: native
-    tool_schema:
-      type: "function"
-      function:
-        name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
-        parameters:
-          type: "object"
-          properties:
-            answer:
-              type: "string"
-              description: "The model's answer to the GSM8K math problem, must be a digits"
-          required: ["answer"]
-"""
+# verl's GSM8K tool config, verbatim (the multi-turn verl command names it)
+from verl_commands import VERL_GSM8K_TOOL_CONFIG as GSM8K_TOOL_CONFIG  # noqa: E402
 
 
 def lookup(key: str, table: Optional[str] = None, mode: Literal["exact", "prefix"] = "exact",
