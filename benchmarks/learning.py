@@ -12,6 +12,13 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
               words should be the prompt's FIRST word (each adds 1/8, paid at the last token)
   copy        the same prompts; response word i should be prompt word i (a different target at
               each position: per-token credit)
+  lookup      multi-turn with a tool (not in the default list): "lookup: t13"; the answer is a word
+              v0..v7 drawn per row that only the row's `lookup` tool knows; the model must call it
+              (one token ends its turn), read "= v5" in the tool turn and answer v5 (score 1; a
+              call with a wrong answer 0.1, the tool's calc_reward); target 0.8
+  lookup_notools  the same data and model with multi-turn off: the answer cannot be seen, the
+              best possible expected score is ~0.16 (lookup_ceiling_without_tools)
+    python benchmarks/learning.py --tasks lookup,lookup_notools --methods gae,grpo
 Methods (see MEGAPPO and TRL_ARGS):
   gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
   gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
@@ -51,13 +58,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))   # this checkout's megappo (tasks, CollapseWatch), not the venv's install
 
+# lookup: one tool call, its answer, the model's answer (max_assistant_turns 2); lr 3e-4 for every
+# method (at 1e-3 GRPO and PPO peaked near 0.8 and fell back as entropy collapsed). Without tools
+# the same data and model: the model cannot see the answer (its best is ~1/8, see
+# megappo.rewards.synthetic.lookup_ceiling_without_tools).
+_MT = "actor_rollout_ref.rollout.multi_turn."
+LOOKUP_NO_TOOLS = ["actor_rollout_ref.actor.optim.lr=3e-4"]
+LOOKUP_TOOLS = LOOKUP_NO_TOOLS + ["data.return_raw_chat=true", f"{_MT}enable=true", f"{_MT}max_assistant_turns=2",
+                                  f"{_MT}tool_config_path={ROOT / 'examples' / 'tools' / 'lookup.yaml'}"]
+
 TASKS = {
     # max_response_length, target score, sample budget
     "words": dict(response=8, target=0.5, budget=6_400),
     "echo": dict(response=4, target=0.8, budget=6_400),
     "pick_first": dict(response=8, target=0.5, budget=38_400),
     "copy": dict(response=8, target=0.5, budget=38_400),
+    # multi-turn with a tool (megappo.rewards.synthetic: lookup); not in the default task list
+    "lookup": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_TOOLS),
+    "lookup_notools": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_NO_TOOLS),
 }
+DEFAULT_TASKS = ("words", "echo", "pick_first", "copy")
 
 # Settings per method. Both megappo methods see batch x n samples per step.
 MEGAPPO = {
@@ -128,15 +148,16 @@ def megappo_curve(metrics_file: Path, per_step: int, per_round: int) -> list[dic
         # the score of everything generated (dynamic sampling's critic/score/mean is of the kept groups)
         score = r.get("train/generated_score_mean", r["critic/score/mean"])
         curve.append({"step": r["step"], "samples": samples, "score": score, "seconds": elapsed,
-                      "entropy": r.get("actor/entropy")})
+                      "entropy": r.get("actor/entropy"),
+                      # multi-turn: the share of the step's samples that called a tool (about: a sample may call twice)
+                      "calls": r["tools/calls"] / per_step if "tools/calls" in r else None})
     return curve
 
 
-def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),
-                stop_at_target: bool = True) -> list[dict]:
-    run_dir = out / f"{task}_{method}_s{seed}"
+def megappo_args(method: str, task: str, paths: dict, run_dir: Path, steps: int, seed: int, extra=()) -> list[str]:
+    """The command line of one megappo run (``python -m megappo.train`` and its overrides)."""
     spec = TASKS[task]
-    args = [sys.executable, "-m", "megappo.train", "--config", "tiny_cpu", "trainer.n_gpus_per_node=1",
+    return [sys.executable, "-m", "megappo.train", "--config", "tiny_cpu", "trainer.n_gpus_per_node=1",
             f"actor_rollout_ref.model.path={paths['model']}", f"data.train_files=[{paths['train']}]",
             f"data.val_files=[{paths['test']}]", f"trainer.default_local_dir={run_dir}", "trainer.logger=[file]",
             "trainer.resume_mode=disable", "trainer.val_before_train=false", "trainer.test_freq=-1",
@@ -144,7 +165,15 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
             "data.max_prompt_length=16", f"data.max_response_length={spec['response']}", f"data.seed={seed}",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method], *extra]
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method],
+            *spec.get("extra", ()), *extra]
+
+
+def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),
+                stop_at_target: bool = True) -> list[dict]:
+    run_dir = out / f"{task}_{method}_s{seed}"
+    spec = TASKS[task]
+    args = megappo_args(method, task, paths, run_dir, steps, seed, extra)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     # this checkout's megappo, whatever the venv's editable install points at (PYTHONPATH kept after it)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
@@ -226,7 +255,8 @@ def median_spread(values: list) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                    help=f"comma-separated, of {', '.join(TASKS)} (default: {', '.join(DEFAULT_TASKS)})")
     ap.add_argument("--methods", default="gae,grpo,gae1,trl")
     ap.add_argument("--quick", action="store_true", help="3 steps per run, one seed: checks the harness, measures nothing")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (task data and model init, sampling)")
@@ -253,8 +283,12 @@ def main(argv=None) -> int:
     jobs, paths = [], {}
     for task in tasks:
         for seed in seeds:
-            paths[task, seed] = make_tiny_setup(str(out / f"setup_{task}_s{seed}"), task=task, n_train=8192, seed=seed)
+            setup = TASKS[task].get("setup", task)
+            paths[task, seed] = make_tiny_setup(str(out / f"setup_{setup}_s{seed}"), task=setup, n_train=8192, seed=seed)
         for method in methods:
+            if method == "trl" and task.startswith("lookup"):
+                print(f"  {task}/trl: skipped: TRL's PPOTrainer has no multi-turn tool rollouts", flush=True)
+                continue
             if method == "trl" and trl_python() is None:
                 print(f"  {task}/trl: skipped: no TRL venv (bash benchmarks/setup_trl.sh)", flush=True)
                 continue
@@ -293,7 +327,7 @@ def main(argv=None) -> int:
         flat[f"{task}_{method}_score_at_budget_per_seed"] = [r["score_at_budget"] for r in rs]
     # megappo's PPO with a critic against its own GRPO (same settings) and TRL's PPO (TRL's settings)
     print()
-    for task in tasks:
+    for task in (t for t in tasks if t != "lookup_notools"):   # that one reaches no target by construction
         for ppo, other in (("gae", "grpo"), ("gae1", "trl")):
             mine = flat.get(f"{task}_{ppo}_samples_to_target_median")
             theirs = flat.get(f"{task}_{other}_samples_to_target_median")
@@ -301,6 +335,15 @@ def main(argv=None) -> int:
                 ok = mine is not None and (theirs is None or mine <= theirs)
                 flat[f"{task}_{ppo}_le_{other}"] = ok
                 print(f"{task}: megappo {ppo} needs {mine} samples (median), {other} {theirs}: {'ok' if ok else 'NOT ok'}")
+    for method in methods:   # the tool is needed: the same run without it
+        if ("lookup", method) in results and ("lookup_notools", method) in results:
+            best = max((r["score"] for (t, m, _), c in curves.items() if (t, m) == ("lookup_notools", method)
+                        for r in c), default=None)
+            flat[f"lookup_notools_{method}_best_score"] = best
+            calls = [(c[0]["calls"], c[-1]["calls"]) for (t, m, _), c in curves.items() if (t, m) == ("lookup", method)]
+            flat[f"lookup_{method}_calls_per_sample_first_last_step"] = calls
+            print(f"lookup/{method}: with the tool {flat[f'lookup_{method}_samples_to_target_median']} samples to "
+                  f"{TASKS['lookup']['target']} (median); without it the best step scored {best}")
     print(f"\nwhole benchmark: {wall / 60:.1f} min")
     print(json.dumps(flat))
     return 0

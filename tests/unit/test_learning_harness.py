@@ -48,3 +48,25 @@ def test_the_harness_imports_this_checkout():
     editable install points at); its runs get the same folder first on PYTHONPATH."""
     import sys
     assert sys.path.index(str(learning.ROOT / "src")) < len(sys.path)
+
+
+def test_lookup_without_tools_is_the_same_run_with_multi_turn_off(tmp_path):
+    """The tool-use task's two runs differ in the tool only: same data, model, settings."""
+    from megappo.config import load_config, validate
+    from megappo.data.tiny import make_tiny_setup
+
+    paths = make_tiny_setup(str(tmp_path / "setup"), task="lookup", n_train=16, n_test=4)
+    cfgs = {}
+    for task in ("lookup", "lookup_notools"):
+        args = learning.megappo_args("gae", task, paths, tmp_path / "run", 10, 0)
+        cfg = load_config(args[args.index("tiny_cpu") + 1:], ["tiny_cpu"])
+        validate(cfg, check_paths=True, world_size=1)
+        cfgs[task] = cfg
+    on, off = cfgs["lookup"], cfgs["lookup_notools"]
+    mt = on.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and not off.actor_rollout_ref.rollout.multi_turn.enable
+    assert mt.max_assistant_turns == 2 and Path(mt.tool_config_path) == REPO / "examples" / "tools" / "lookup.yaml"
+    assert on.actor_rollout_ref.actor.optim.lr == off.actor_rollout_ref.actor.optim.lr == 3e-4
+    on.actor_rollout_ref.rollout.multi_turn = off.actor_rollout_ref.rollout.multi_turn
+    on.data.return_raw_chat = off.data.return_raw_chat
+    assert on == off

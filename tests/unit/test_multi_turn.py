@@ -181,7 +181,6 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
     ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
     ("algorithm.filter_groups.enable=true", "dynamic sampling"),
     ("reward_model.enable=true", "a reward model"),
-    ("actor_rollout_ref.model.use_remove_padding=true", "sequence packing"),
 ])
 def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_validation(override, reason):
     from megappo import builders
@@ -197,9 +196,11 @@ def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_valid
 def test_multi_turn_validates_on_the_colocated_engine():
     from megappo.config import load_config, multi_turn_unsupported, validate
 
-    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
-    validate(cfg, check_paths=False)
-    assert multi_turn_unsupported(cfg) is None
+    for packing in ("false", "true"):   # packing reads the tool turns' lengths (tests/unit/test_packing.py)
+        cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true",
+                           f"actor_rollout_ref.model.use_remove_padding={packing}"], ["tiny_cpu"])
+        validate(cfg, check_paths=False)
+        assert multi_turn_unsupported(cfg) is None
 
 
 def test_num_turns_counts_as_verls():

@@ -39,23 +39,37 @@ def test_rows_undo_the_packing():
     assert p.rows(p.ids.float(), width=5).shape == (4, 5)
 
 
-def _batch():
+def _batch(multi_turn: bool = False):
+    """Three samples; ``multi_turn``: tool turns inside the responses (in the sequence, out of the
+    response mask), as trainer.turns builds them."""
     from megappo.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(1)
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
-    responses = torch.randint(1, 40, (3, 4), generator=g)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
-    return RolloutBatch.from_prompts_and_responses(prompts, responses, mask, pad_token_id=PAD)
+    if not multi_turn:
+        responses = torch.randint(1, 40, (3, 4), generator=g)
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+        return RolloutBatch.from_prompts_and_responses(prompts, responses, mask, pad_token_id=PAD)
+    responses = torch.randint(1, 40, (3, 9), generator=g)
+    seq = torch.tensor([[1] * 7 + [0] * 2, [1] * 9, [1] * 3 + [0] * 6], dtype=torch.float32)
+    model = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 0], [1, 0, 0, 1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0, 0]],
+                         dtype=torch.float32)
+    return RolloutBatch.from_prompts_and_responses(prompts, responses, model, pad_token_id=PAD, sequence_mask=seq)
 
 
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["one_turn", "tool_turns"])
 @pytest.mark.parametrize("align", [1, 2])
-def test_packed_next_token_path_equals_the_padded_one(align):
+def test_packed_next_token_path_equals_the_padded_one(align, multi_turn):
     """Actor._log_probs / Critic._values through the packed layout (per-token logits: what
     attention does inside a sequence is the same packed or padded) equal the padded path, values
-    and gradients."""
-    batch = _batch()
-    lengths = (batch.prompt_lengths + batch.response_mask.sum(-1).long()).tolist()
+    and gradients; with tool turns the packed rows hold the whole conversations (tool tokens
+    included) and only the model's tokens are read back."""
+    batch = _batch(multi_turn)
+    worker = MegatronWorker.__new__(MegatronWorker)   # the worker's own packing of a micro-batch
+    worker.pad_token_id, worker.ddp_chunks = PAD, [None]
+    packed_batch = worker._pack([batch], align)[0]
+    if multi_turn:   # whole conversations, tool turns included, padding out
+        assert packed_batch.lengths == [10, 11, 7]
     table = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     actor = Actor.__new__(Actor)
     actor.tp_group, actor.vocab_size = None, 40
@@ -63,7 +77,7 @@ def test_packed_next_token_path_equals_the_padded_one(align):
     for packed in (False, True):
         w = table.clone().requires_grad_(True)
         emb = w[:, :8] @ w[:, 8:].T[:8]            # (40, 40): a per-token "model" with parameters
-        ids = pack(batch.input_ids, lengths, PAD, align) if packed else batch.input_ids
+        ids = packed_batch if packed else batch.input_ids
         tokens = ids.ids if packed else ids
         output = emb[tokens]                        # (1, T, 40) or (B, S, 40)
         lp, ent = actor._log_probs(output, ids, batch, with_entropy=True)
@@ -75,6 +89,8 @@ def test_packed_next_token_path_equals_the_padded_one(align):
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert (results[0][0][batch.response_mask == 0] == 0).all()
+    if multi_turn:   # a model token after a tool turn reads its conversation: not what padding would give
+        assert (results[1][0][batch.response_mask == 1] != 0).all()
 
 
 def test_packing_needs_transformer_engine(capsys):

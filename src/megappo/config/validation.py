@@ -389,9 +389,6 @@ def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
     if cfg.reward_model.enable:
         return ("a reward model (reward_model.enable) reads each response as one model turn; scoring conversations "
                 "with tool turns is not implemented (use a rule or custom reward function)")
-    if a.model.use_remove_padding or cfg.critic.model.use_remove_padding:
-        return ("sequence packing (model.use_remove_padding) is not tested with tool turns yet (it needs the GPU "
-                "layer spec); set it false")
     return None
 
 

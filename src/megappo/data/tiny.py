@@ -9,31 +9,35 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} 
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def build_word_tokenizer(words):
-    """Whitespace/punctuation-split words -> ids; ``</s>`` is EOS and ``<pad>`` (id 0) the pad."""
+def build_word_tokenizer(words, extra_special=()):
+    """Whitespace/punctuation-split words -> ids; ``</s>`` is EOS and ``<pad>`` (id 0) the pad.
+    ``extra_special``: more special tokens (matched whole, dropped by ``skip_special_tokens``), after
+    the words, so the ids of the other tasks' tokens do not move."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for w in words:
+    for w in [*words, *extra_special]:
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=SPECIAL_TOKENS[4:])
+                                   unk_token="<unk>",
+                                   additional_special_tokens=SPECIAL_TOKENS[4:] + list(extra_special))
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-TASKS = ("echo", "words", "pick_first", "copy")
+TASKS = ("echo", "words", "pick_first", "copy", "lookup")
 
 
 def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed: int = 0, arch: str = "qwen3",
                     task: str = "echo") -> dict:
     """Everything the CPU main job needs, built locally: a word tokenizer, a tiny random-init
     model folder (HF config, safetensors, tokenizer) and a synthetic task (``echo``: reward on one
-    token; ``words``, ``pick_first``, ``copy``: reward spread over the response, see
-    megappo.rewards.synthetic; the last two use a smaller model: vocabulary 64, 2 layers).
+    token; ``words``, ``pick_first``, ``copy``: reward spread over the response; ``lookup``: a
+    multi-turn task only the ``lookup`` tool can solve; see megappo.rewards.synthetic; the last
+    three use a smaller model: vocabulary 64, 2 layers).
     Returns the paths {"model", "train", "test"}. Idempotent: existing files are kept."""
     import os
 
@@ -55,6 +59,8 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
             make = lambda n, s: synthetic.make_echo_rows(n, ECHO_WORDS, seed=s)  # noqa: E731
         elif task == "words":
             make = lambda n, s: synthetic.make_words_rows(n, seed=s)  # noqa: E731
+        elif task == "lookup":
+            make = lambda n, s: synthetic.make_lookup_rows(n, seed=s)  # noqa: E731
         else:
             source = synthetic.PICK_FIRST_SOURCE if task == "pick_first" else synthetic.COPY_SOURCE
             make = lambda n, s: synthetic.make_token_rows(n, seed=s, source=source)  # noqa: E731
@@ -64,13 +70,18 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
         from transformers import AutoModelForCausalLM, Qwen3Config
 
         words = {"echo": ["echo", ":"] + list(ECHO_WORDS), "words": synthetic.WORDS_VOCAB}.get(task, synthetic.TOKEN_WORDS)
-        tok = build_word_tokenizer(words)
-        small = task in ("pick_first", "copy")
+        if task == "lookup":
+            words = synthetic.LOOKUP_WORDS
+        # lookup: the tool role's header and the model's whole tool call are one token each
+        tok = build_word_tokenizer(words, synthetic.LOOKUP_SPECIAL if task == "lookup" else ())
+        small = task in ("pick_first", "copy", "lookup")
+        # lookup: a call ends the model's turn, as a chat model ends its turn after a call
+        eos = [tok.eos_token_id, tok.convert_tokens_to_ids(synthetic.LOOKUP_CALL)] if task == "lookup" else tok.eos_token_id
         shape = dict(vocab_size=64 if small else 128, hidden_size=128, intermediate_size=256,
                      num_hidden_layers=2 if small else 4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                     eos_token_id=eos, pad_token_id=tok.pad_token_id)
         if arch == "qwen3_moe":   # Mixture-of-Experts: 4 experts, 2 per token; layer 0 dense
             from transformers import Qwen3MoeConfig
 

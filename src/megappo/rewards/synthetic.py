@@ -107,3 +107,66 @@ def pick_first_score(solution: str, ground_truth: str, max_words: int = 8) -> fl
 def copy_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
     want = ground_truth.split()[:max_words]
     return sum(a == b for a, b in zip(solution.split(), want)) / max_words
+
+
+# lookup: a task only a tool can solve (multi-turn rollouts with tools). The prompt names a key
+# ("lookup: t17"); each row's answer is a value word v0..v7 drawn at random for that row, which
+# only the row's ``lookup`` tool knows (extra_info.tools_kwargs.lookup.create_kwargs, as verl's
+# GSM8K tool gets its ground truth), so no policy without the tool beats ~1/8 in expectation
+# (lookup_ceiling_without_tools gives the exact bound on a data set). The tool answers "= <value>";
+# the model's answer is the first word it writes after the tool's answer (or the first word of
+# the response if it called no tool); a call is worth 0.1 by itself (the tool's calc_reward). The tiny tokenizer spells the whole call as ONE token
+# (LOOKUP_CALL) that also ends the model's turn: the tiny model learns when to call and what to do
+# with the answer, not the JSON spelling a real tokenizer needs ~20 tokens for.
+LOOKUP_SOURCE = "synthetic/lookup"
+LOOKUP_KEYS = TOKEN_WORDS[:8]
+LOOKUP_VALUES = [f"v{i}" for i in range(8)]
+LOOKUP_CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+LOOKUP_SPECIAL = ("<|tool|>", LOOKUP_CALL)
+LOOKUP_WORDS = ["lookup", ":", "="] + LOOKUP_KEYS + LOOKUP_VALUES
+
+
+def make_lookup_rows(n: int, seed: int) -> list[dict]:
+    """Rows in verl's schema with the row's hidden answer in ``extra_info.tools_kwargs``."""
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        key, value = rnd.choice(LOOKUP_KEYS), rnd.choice(LOOKUP_VALUES)
+        rows.append({
+            "data_source": LOOKUP_SOURCE,
+            "prompt": [{"role": "user", "content": f"lookup: {key}"}],
+            "ability": "tool_use",
+            "reward_model": {"style": "rule", "ground_truth": value},
+            "extra_info": {"index": i, "tools_kwargs": {"lookup": {"create_kwargs": {"answer": value}}}},
+        })
+    return rows
+
+
+def lookup_answer(solution: str) -> str | None:
+    """The model's answer in a lookup conversation's text (special tokens dropped): the word
+    after the tool's last "= <value>", or the first word if no tool answered."""
+    words = solution.split()
+    answers = [i for i in range(len(words) - 1) if words[i] == "="]
+    at = answers[-1] + 2 if answers else 0
+    return words[at] if at < len(words) else None
+
+
+def lookup_score(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1 for the right answer; else the lookup tool's own reward (its ``calc_reward``, which the
+    trainer passes as ``extra_info["rollout_reward_scores"]`` as verl does: 0.1 for a sample
+    that called it). Without that small reward for calling, the tiny model never finds the tool:
+    answering blindly pays 1/8 from the first step, calling and copying the answer pays only once
+    copying is learnt (measured: calls fell from ~15% of samples to ~0 in 60 steps)."""
+    if lookup_answer(solution) == ground_truth:
+        return 1.0
+    return float(((extra_info or {}).get("rollout_reward_scores") or {}).get("lookup", 0.0))
+
+
+def lookup_ceiling_without_tools(rows: list[dict]) -> float:
+    """The best expected score any policy WITHOUT the tool can reach on ``rows``: it sees only
+    the prompt, so its best answer to a prompt is that prompt's most frequent ground truth."""
+    by_prompt: dict[str, dict[str, int]] = {}
+    for r in rows:
+        counts = by_prompt.setdefault(r["prompt"][-1]["content"], {})
+        counts[r["reward_model"]["ground_truth"]] = counts.get(r["reward_model"]["ground_truth"], 0) + 1
+    return sum(max(c.values()) for c in by_prompt.values()) / len(rows)
