@@ -31,7 +31,12 @@ def _live(p) -> bool:
     import psutil
 
     try:
-        return p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in _OWN_HELPERS)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        # a process forked from the forkserver (a test rank) has its command line: only the
+        # server itself, a child of this process, is a helper
+        helper = any(h in " ".join(p.cmdline()) for h in _OWN_HELPERS)
+        return not helper or ("multiprocessing.forkserver" in " ".join(p.cmdline()) and p.ppid() != os.getpid())
     except psutil.Error:   # gone meanwhile
         return False
 
