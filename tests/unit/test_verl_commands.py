@@ -19,6 +19,15 @@ MOE = "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh"
 SAYS_WHY = ("not supported", "Megatron-only", "must be False", "must be 1", "issue ")
 
 
+@pytest.fixture(autouse=True)
+def _hub_offline(monkeypatch):
+    """The commands name hub ids (Qwen/Qwen2-7B-Instruct, ...): offline, a dry run says at once that
+    they are not cached, instead of retrying an unreachable hub for ~23 s per command."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
 def dry_run(argv):
     from megappo import train
 
