@@ -68,6 +68,11 @@ def test_hf_export_from_gpu_is_bit_exact(device, root, spec):
     gpu_checks.check_hf_export(root, device, BF16, use_te(spec))
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_offload_round_trip_on_gpu(device, root, spec):
+    gpu_checks.check_offload(root, device, BF16, use_te(spec))
+
+
 def test_packed_sequences_match_the_padded_forward_bf16(device, root):
     """use_remove_padding: THD packing needs TransformerEngine's spec (skipped without it)."""
     use_te("te")
