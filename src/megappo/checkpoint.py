@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
-           "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES"]
+           "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES",
+           "end_writer_process"]
 
 # Resuming a checkpoint whose per-rank state holds pickled Python objects (what megappo wrote
 # before it saved plain tensors) needs this set to 1 once: such a file can run code on load.
@@ -89,6 +90,25 @@ def save_worker(worker, path: str) -> None:
         os.makedirs(path, exist_ok=True)
     _barrier()
     dist_checkpointing.save(_sharded(worker, is_loading=False), path)
+
+
+def end_writer_process() -> bool:
+    """End the process megatron's file writer keeps for the rest of the process's life: its first
+    save starts a ``multiprocessing`` Manager (a spawned server, ~0.5 GB) for its results queue.
+    At exit multiprocessing ends it anyway; a long-lived caller (a test session, a notebook) that
+    saved a checkpoint calls this instead of carrying it. Returns whether one was running."""
+    import sys
+
+    fa = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(fa, "_results_queue", None)
+    if queue is None:
+        return False
+    manager = getattr(queue, "_manager", None)
+    fa._results_queue = None
+    if manager is None:
+        return False
+    manager.shutdown()
+    return True
 
 
 def _ensure_optimizer_state(worker) -> None:

@@ -655,7 +655,9 @@ def check_offload(root, device: torch.device, dtype: torch.dtype, use_te: bool =
     host = sum(s.buffer.numel() for s in (so._params, so._optimizer) if s.buffer is not None)
     assert all(s.nbytes() == 0 for s, _, _ in so._params.host + so._optimizer.host), "an offloaded storage kept its memory"
     fig = {"check": "offload", "spec": "te" if use_te else "local", "dtype": str(dtype).split(".")[-1],
-           "offloaded_bytes": offloaded, "offloaded_storages": len(sizes), "host_buffer_bytes": host}
+           "offloaded_bytes": offloaded, "offloaded_storages": len(sizes), "host_buffer_bytes": host,
+           # torch's caching host allocator rounds each request up to a power of two
+           "pinned_per_storage_pow2_bytes": sum(1 << max(n - 1, 0).bit_length() for n in sizes)}
     if cuda:
         fig["device_bytes_freed"] = a0 - a1
         # What the replaced layout would pin: one pinned tensor per storage from torch's allocator.
@@ -663,6 +665,7 @@ def check_offload(root, device: torch.device, dtype: torch.dtype, use_te: bool =
         if p0 is not None:
             naive = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
             fig["pinned_per_storage_bytes"] = _pinned_bytes() - p0
+            print("host_memory_stats:", json.dumps(torch.cuda.host_memory_stats()))
             del naive
             fig["pinned_per_storage_cached_after_free_bytes"] = _pinned_bytes() - p0
     so.ensure(params=True)

@@ -25,7 +25,13 @@ SPECS = ["local", "te"]
 def device():
     dev = torch.device("cuda", 0)
     gpu_checks.init_world(dev)  # NCCL, world size 1, current device cuda:0 (as the trainer does)
-    return dev
+    yield dev
+    # The checks save checkpoints in this process: megatron's writer keeps a spawned Manager
+    # process that would otherwise outlive the session's end-of-run process check.
+    from megappo.checkpoint import end_writer_process
+
+    end_writer_process()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
