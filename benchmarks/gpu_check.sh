@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU check: ONE command for a one-GPU box with no network (see shared gpu_notes,
-# "The single-GPU check box"). At most ~8 minutes:
+# "The single-GPU check box"). About 3 minutes on an H200 (189 s on 2026-12-04):
 #   1. (--wheels DIR) install the wheels the box lacks, offline, then the project (no deps);
 #   2. say what will be skipped and why (no vLLM, no TransformerEngine, ...);
 #   3. pytest -m gpu: tests/gpu, tests/distributed/test_models_gpu.py, test_rollout_gpu.py;
