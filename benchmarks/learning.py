@@ -26,6 +26,9 @@ Methods (see MEGAPPO and TRL_ARGS):
              only the part of the critic's per-token baseline that differs within the prompt group
   gae_centred_fit  gae_centred with the critic fitted harder on each batch (critic.ppo_epochs=8,
              critic.optim.betas=[0.9,0.95])
+  gae_cv     algorithm.gae_adv_norm=group_cv, lam 1: gae_centred with the critic's correction
+             weighted by how much of the outcome it explains on the batch (0 = GRPO's advantage)
+  gae_cv_fit gae_cv with gae_centred_fit's critic settings
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
              mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
@@ -109,7 +112,10 @@ MEGAPPO["gae_centred"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_centred
 # the critic fitted harder on each batch: 8 passes, Adam's second moment over ~20 steps instead of ~1000
 # (benchmarks/critic_probe.py: per-token values are learnt from repeated passes, not from more steps)
 MEGAPPO["gae_centred_fit"] = MEGAPPO["gae_centred"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
-SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+# the critic's within-group correction weighted by a least-squares control-variate fit (0 = GRPO)
+MEGAPPO["gae_cv"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_cv", "algorithm.lam=1.0"]
+MEGAPPO["gae_cv_fit"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
+SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],

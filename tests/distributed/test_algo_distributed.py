@@ -161,7 +161,7 @@ def _dp_worker(rank, world, splits):
     torch.testing.assert_close(a, full_a[sl, :w], atol=1e-12, rtol=0)
     # gae's group normalisations (groups spread over ranks); group_centred also with each rank's rows
     # cut to their own longest response (its per-position group sums over different widths)
-    for norm in ("group", "group_shift", "group_centred"):
+    for norm in ("group", "group_shift", "group_centred", "group_cv"):
         kw = dict(gamma=0.95, lam=0.9, gae_adv_norm=norm)
         full_a, _ = algo.compute_advantages("gae", token_level_rewards=r, response_mask=m, values=v, group_index=gid, **kw)
         a, _ = algo.compute_advantages("gae", token_level_rewards=r[sl], response_mask=m[sl], values=v[sl],
@@ -169,11 +169,12 @@ def _dp_worker(rank, world, splits):
         torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{norm}: {s}")
     cols = m[sl].sum(0).nonzero()
     w = int(cols.max().item()) + 1 if cols.numel() else 1
-    kw = dict(gamma=1.0, lam=1.0, gae_adv_norm="group_centred")
-    full_a, _ = algo.compute_advantages("gae", token_level_rewards=r, response_mask=m, values=v, group_index=gid, **kw)
-    a, _ = algo.compute_advantages("gae", token_level_rewards=r[sl, :w], response_mask=m[sl, :w], values=v[sl, :w],
-                                   group_index=gid[sl], dp_group=grp, **kw)
-    torch.testing.assert_close(a, full_a[sl, :w], atol=1e-12, rtol=0)
+    for norm in ("group_centred", "group_cv"):   # group_cv: its weight beta is DP-global too
+        kw = dict(gamma=1.0, lam=1.0, gae_adv_norm=norm)
+        full_a, _ = algo.compute_advantages("gae", token_level_rewards=r, response_mask=m, values=v, group_index=gid, **kw)
+        a, _ = algo.compute_advantages("gae", token_level_rewards=r[sl, :w], response_mask=m[sl, :w], values=v[sl, :w],
+                                       group_index=gid[sl], dp_group=grp, **kw)
+        torch.testing.assert_close(a, full_a[sl, :w], atol=1e-12, rtol=0, msg=lambda s: f"{norm}: {s}")
     # rollout correction: weights (batch-normalised) and their metrics are global
     g = torch.Generator().manual_seed(5)  # same on every rank
     old, eng = -torch.rand(r.shape, generator=g, dtype=DT), -torch.rand(r.shape, generator=g, dtype=DT)

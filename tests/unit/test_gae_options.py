@@ -133,7 +133,8 @@ def test_config_validation_of_the_gae_options():
 
     e = error("algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1")
     assert "rollout.n > 1" in e["algorithm.gae_adv_norm"]
-    assert "batch, group, group_shift or group_centred" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "batch, group, group_shift, group_centred or group_cv" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_cv", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_shift", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "[0, 1]" in error("algorithm.critic_lam=1.5")["algorithm.critic_lam"]
     assert "> 0" in error("algorithm.lam_length_alpha=0")["algorithm.lam_length_alpha"]
@@ -248,3 +249,67 @@ def test_group_centred_removes_the_group_common_part_of_the_critic_correction(la
     grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
     if lam == 1.0:
         torch.testing.assert_close(flat, grpo.double(), rtol=1e-5, atol=1e-5)
+
+
+def _cv_parts_by_hand(rewards, values, mask, index, lam):
+    """GRPO's unscaled advantage o and the critic's within-group correction d, per sample by hand
+    (from the group_shift reference), and each sample's group std."""
+    score = (rewards * mask).sum(-1)
+    shift = _group_shift_reference(rewards, values, mask, index, 1.0, lam, eps=0.0)
+    o, d, std = torch.zeros_like(values), torch.zeros_like(values), torch.zeros(len(score), dtype=torch.float64)
+    for i in range(len(score)):
+        g = index == index[i]
+        mean, std[i] = score[g].mean(), score[g].std()
+        if std[i] > 1e-6:
+            corr = (shift[g] * std[i] - (score[g] - mean)[:, None]) * mask[g]
+            common = corr.sum(0) / mask[g].sum(0).clamp(min=1)
+            o[i] = (score[i] - mean) * mask[i]
+            d[i] = (shift[i] * std[i] - (score[i] - mean) - common) * mask[i]
+    return o, d, std
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.7])
+def test_group_cv_weights_the_critic_by_a_least_squares_fit_of_the_outcome(lam):
+    rewards, values, mask, index = _batch(seed=11, groups=6, n=4, T=7)
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=lam)
+    # a critic with some per-token knowledge: values that partly track each sample's own outcome
+    score = (rewards * mask).sum(-1)
+    values = (values + 2.0 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_cv", **kw)
+    o, d, std = _cv_parts_by_hand(rewards, values, mask, index, lam)
+    # beta by numpy's least squares: regress o/std on -d/std over the tokens of groups that differ
+    live = (std > 1e-6)[:, None].expand_as(mask) & mask.bool()
+    x = (-d / (std[:, None] + 1e-6))[live].numpy()[:, None]
+    y = (o / (std[:, None] + 1e-6))[live].numpy()
+    import numpy as np
+    beta = float(np.linalg.lstsq(x, y, rcond=None)[0][0])
+    assert 0.05 < beta < 0.95, beta          # the planted knowledge is partial: an interior weight
+    want = torch.where((std > 1e-6)[:, None], (o + beta * d) / (std[:, None] + 1e-6), torch.zeros_like(o)) * mask
+    # (the scores are summed in float32 inside: 1e-8 differences in o)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert abs(algo.critic_cv_beta(rewards, values, mask, index, 1.0, lam) - beta) < 1e-6
+
+
+def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_beta():
+    rewards, values, mask, index = _batch(seed=12, groups=5, n=4, T=6)
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=1.0)
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    # values shared by the group at each position: d = 0 exactly, beta = 0, GRPO's advantage
+    shared = torch.randn(5, mask.shape[1], dtype=torch.float64)[index] * mask
+    got, _ = algo.compute_advantages("gae", values=shared, gae_adv_norm="group_cv", **kw)
+    torch.testing.assert_close(got, grpo.double(), rtol=1e-5, atol=1e-5)
+    assert algo.critic_cv_beta(rewards, shared, mask, index, 1.0, 1.0) == 0.0
+    # the clamp, on planted parts: d = -k o gives beta = 1/k, clamped to [0, 1]
+    from megappo.algo.advantages import critic_cv_coefficient
+    o = torch.randn(8, 5, dtype=torch.float64)
+    std = torch.ones(8, dtype=torch.float64)
+    m = torch.ones(8, 5)
+    assert abs(critic_cv_coefficient(o, -2.0 * o, std, m) - 0.5) < 1e-12
+    assert critic_cv_coefficient(o, -0.5 * o, std, m) == 1.0     # over-confident critic: full weight only
+    assert critic_cv_coefficient(o, 0.7 * o, std, m) == 0.0      # anti-correlated critic: ignored
+    # and a critic whose values are exactly each sample's outcome from its first token on is
+    # trusted fully: its correction cancels the outcome (beta 1, advantages 0 after token 0)
+    score = (rewards * mask).sum(-1)
+    exact = (score[:, None] * torch.ones_like(mask, dtype=torch.float64)) * mask
+    exact[:, 0] = 0.0
+    assert abs(algo.critic_cv_beta(rewards, exact, mask, index, 1.0, 1.0) - 1.0) < 1e-9

@@ -34,6 +34,9 @@ __all__ = [
     "group_normalised_gae",
     "group_shifted_gae",
     "group_centred_gae",
+    "group_cv_gae",
+    "critic_cv_coefficient",
+    "critic_cv_beta",
     "equal_score_share",
     "length_adaptive_lam",
     "gae_per_sample_lam",
@@ -361,7 +364,7 @@ def _scores(token_level_rewards, response_mask):
     return (token_level_rewards.to(torch.float64) * response_mask.to(torch.float64)).sum(-1)
 
 
-GAE_ADV_NORMS = ("batch", "group", "group_shift", "group_centred")
+GAE_ADV_NORMS = ("batch", "group", "group_shift", "group_centred", "group_cv")
 
 
 def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -447,6 +450,25 @@ def group_shifted_gae(token_level_rewards, values, response_mask, group_index, g
     return _zero_masked(_on_group_scale(adv, std, eps).to(values.dtype), response_mask)
 
 
+def _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group):
+    """(o, d, std): GRPO's advantage before its scale o_it = score_i - mean_g (B, T), the critic's
+    within-group correction d_it = C_it - mean_{j in g, t}(C_jt) (B, T), both float64 and masked,
+    and each sample's group score std (B,). See :func:`group_centred_gae`."""
+    x, score, mean, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
+    m = response_mask.to(torch.float64)
+    o = (score - mean)[:, None] * m
+    c = (x - o) * m
+    T = Tg = c.shape[1]
+    if dp_group is not None:   # the ranks may hold different widths T: sum over the widest one's columns
+        width = torch.tensor([T], dtype=torch.int64, device=c.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
+        Tg = int(width.item())
+    pad = (lambda z: torch.nn.functional.pad(z, (0, Tg - T))) if Tg > T else (lambda z: z)
+    sums = group_sums(torch.cat([pad(c), pad(m)], 1), group_index, dp_group)
+    common = sums[:, :T] / sums[:, Tg:Tg + T].clamp(min=1)
+    return o, (c - common) * m, std
+
+
 def group_centred_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
                       dp_group=None, eps: float = 1e-6):
     """:func:`group_shifted_gae` keeping only the part of the critic's correction that differs
@@ -460,19 +482,52 @@ def group_centred_gae(token_level_rewards, values, response_mask, group_index, g
     A critic that knows nothing beyond the prompt (any V(s_t) shared by the group) gives exactly
     GRPO; what is left is the critic's per-token knowledge (V(s_t) differs between samples only
     through their earlier tokens). Returns (B, T)."""
-    x, score, mean, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
-    m = response_mask.to(torch.float64)
-    o = (score - mean)[:, None] * m
-    c = (x - o) * m
-    T = Tg = c.shape[1]
-    if dp_group is not None:   # the ranks may hold different widths T: sum over the widest one's columns
-        width = torch.tensor([T], dtype=torch.int64, device=c.device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
-        Tg = int(width.item())
-    pad = (lambda z: torch.nn.functional.pad(z, (0, Tg - T))) if Tg > T else (lambda z: z)
-    sums = group_sums(torch.cat([pad(c), pad(m)], 1), group_index, dp_group)
-    common = sums[:, :T] / sums[:, Tg:Tg + T].clamp(min=1)
-    return _zero_masked(_on_group_scale(o + c - common, std, eps).to(values.dtype), response_mask)
+    o, d, std = _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
+    return _zero_masked(_on_group_scale(o + d, std, eps).to(values.dtype), response_mask)
+
+
+def critic_cv_coefficient(o, d, std, response_mask, dp_group=None, eps: float = 1e-6) -> float:
+    """The weight beta in [0, 1] that makes the critic's within-group correction the best control
+    variate for the outcome: beta = -sum(o d w) / sum(d^2 w), w = 1 / std_g^2, over the response
+    tokens of groups whose scores differ (DP-global), clamped to [0, 1] (0 when d is 0).
+
+    At lambda = 1, d_t = -(V(s_t) - V(s_0) minus its group mean at t): a state-dependent baseline,
+    so ANY beta keeps the policy gradient unbiased, and this beta -- the least-squares regression
+    of the outcome (O_i / std_g) on the critic's correction -- is the one that minimises the
+    advantages' variance. A critic with exact per-token values gets beta = 1; a critic whose
+    within-group values are noise uncorrelated with the outcome gets beta ~ 0 (GRPO). (beta is
+    estimated on the same batch: a bias of order 1/tokens, negligible at a batch's size.)"""
+    live = (std > eps).to(torch.float64)[:, None] * response_mask.to(torch.float64)
+    w = live / (std.to(torch.float64)[:, None] + eps) ** 2
+    t = torch.stack([-(o * d * w).sum(), (d * d * w).sum()])
+    if dp_group is not None:
+        dist.all_reduce(t, group=dp_group)
+    if float(t[1]) <= 0.0:
+        return 0.0
+    return float((t[0] / t[1]).clamp(0.0, 1.0))
+
+
+def group_cv_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
+                 dp_group=None, eps: float = 1e-6):
+    """:func:`group_centred_gae` with the critic's within-group correction weighted by how much of
+    the outcome it explains on this batch (:func:`critic_cv_coefficient`):
+        A_it = (O_i + beta d_it) / std_g                           (0 where std_g = 0)
+    Why: group_centred adds the critic's correction at full weight whatever its quality, so a
+    critic that has not yet learned per-token values adds pure noise to GRPO's advantage (measured
+    on pick_first: slightly behind GRPO on most seeds); here its weight follows the evidence, from
+    GRPO (beta 0) to group_centred (beta 1). Returns (advantages (B, T), beta)."""
+    o, d, std = _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
+    beta = critic_cv_coefficient(o, d, std, response_mask, dp_group, eps)
+    return _zero_masked(_on_group_scale(o + beta * d, std, eps).to(values.dtype), response_mask), beta
+
+
+def critic_cv_beta(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
+                   dp_group=None, eps: float = 1e-6) -> float:
+    """:func:`critic_cv_coefficient` of this batch (the ``critic/advantages/cv_beta`` metric): how
+    much per-token credit the critic has learned, from 0 (its within-group values explain none of
+    the outcome) to 1 (they are the outcome's conditional expectations)."""
+    o, d, std = _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
+    return critic_cv_coefficient(o, d, std, response_mask, dp_group, eps)
 
 
 def equal_score_share(advantages, token_level_rewards, response_mask, group_index, dp_group=None) -> float:
@@ -507,12 +562,14 @@ def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp
     critic_lam = lam if critic_lam is None else critic_lam
     if critic_lam != lam or lam_length_alpha is not None:
         _, ret = gae(token_level_rewards, values, response_mask, gamma, critic_lam)
-    if gae_adv_norm in ("group", "group_shift", "group_centred"):
+    if gae_adv_norm != "batch":
         if group_index is None:
             raise ValueError(f"gae_adv_norm={gae_adv_norm!r} needs group_index (one id per prompt)")
-        if gae_adv_norm in ("group_shift", "group_centred"):
+        if gae_adv_norm != "group":
             if lam_length_alpha is not None:
                 raise ValueError(f"gae_adv_norm={gae_adv_norm!r} takes one lambda (algorithm.lam), not lam_length_alpha")
+            if gae_adv_norm == "group_cv":
+                return group_cv_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)[0], ret
             fn = group_shifted_gae if gae_adv_norm == "group_shift" else group_centred_gae
             return fn(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group), ret
         return group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group), ret

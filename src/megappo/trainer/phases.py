@@ -78,6 +78,9 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group) -> tuple
     if batch.values is not None and cfg.actor_rollout_ref.rollout.n > 1:
         metrics["critic/advantages/equal_score_share"] = algo.equal_score_share(
             advantages, rewards, batch.response_mask, batch.prompt_index, dp_group)
+        if al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
+            metrics["critic/advantages/cv_beta"] = algo.critic_cv_beta(
+                rewards, batch.values, batch.response_mask, batch.prompt_index, al.gamma, al.lam, dp_group)
     return rewards, advantages, returns, metrics
 
 
