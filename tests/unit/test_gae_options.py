@@ -269,25 +269,49 @@ def _cv_parts_by_hand(rewards, values, mask, index, lam):
 
 
 @pytest.mark.parametrize("lam", [1.0, 0.7])
-def test_group_cv_weights_the_critic_by_a_least_squares_fit_of_the_outcome(lam):
+def test_group_cv_weights_the_critic_by_a_shrunk_least_squares_fit_of_the_outcome(lam):
+    import numpy as np
+
+    from megappo.algo.advantages import critic_cv_fit
+
     rewards, values, mask, index = _batch(seed=11, groups=6, n=4, T=7)
     kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=lam)
     # a critic with some per-token knowledge: values that partly track each sample's own outcome
     score = (rewards * mask).sum(-1)
-    values = (values + 2.0 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    values = (values + 4.0 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
     got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_cv", **kw)
     o, d, std = _cv_parts_by_hand(rewards, values, mask, index, lam)
-    # beta by numpy's least squares: regress o/std on -d/std over the tokens of groups that differ
+    # beta_hat by numpy's least squares: regress o/std on -d/std over the tokens of groups that differ
     live = (std > 1e-6)[:, None].expand_as(mask) & mask.bool()
-    x = (-d / (std[:, None] + 1e-6))[live].numpy()[:, None]
-    y = (o / (std[:, None] + 1e-6))[live].numpy()
-    import numpy as np
-    beta = float(np.linalg.lstsq(x, y, rcond=None)[0][0])
-    assert 0.05 < beta < 0.95, beta          # the planted knowledge is partial: an interior weight
+    X, Y = -d / (std[:, None] + 1e-6), o / (std[:, None] + 1e-6)
+    beta_hat = float(np.linalg.lstsq(X[live].numpy()[:, None], Y[live].numpy(), rcond=None)[0][0])
+    # its standard error clustered by prompt group, by hand
+    resid = (Y - beta_hat * X) * live
+    groups = [(X[index == g] * resid[index == g]).sum() for g in index.unique()]
+    se = float(torch.stack(groups).square().sum().sqrt() / X[live].square().sum())
+    fit = critic_cv_fit(o, d, std, mask, index)
+    assert fit == pytest.approx((beta_hat, se), rel=1e-6)
+    beta = min(1.0, beta_hat * max(0.0, 1 - (se / beta_hat) ** 2))
+    assert 0.05 < beta < beta_hat < 0.95, (beta, beta_hat, se)   # partial knowledge, shrunk a little
     want = torch.where((std > 1e-6)[:, None], (o + beta * d) / (std[:, None] + 1e-6), torch.zeros_like(o)) * mask
     # (the scores are summed in float32 inside: 1e-8 differences in o)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert abs(algo.critic_cv_beta(rewards, values, mask, index, 1.0, lam) - beta) < 1e-6
+
+
+def test_group_cv_ignores_a_critic_whose_per_token_values_are_noise():
+    """Values independent of the outcome: the unshrunk fit is positive on about half the batches
+    (noise), the shrunk weight is 0 on most and small on the rest."""
+    from megappo.algo.advantages import _centred_parts, critic_cv_fit
+
+    raw, shrunk = [], []
+    for seed in range(30):
+        rewards, values, mask, index = _batch(seed=100 + seed, groups=8, n=8, T=8)
+        o, d, std = _centred_parts(rewards, values, mask, index, 1.0, 1.0, None)
+        raw.append(max(0.0, critic_cv_fit(o, d, std, mask, index)[0]))
+        shrunk.append(algo.critic_cv_beta(rewards, values, mask, index, 1.0, 1.0))
+    assert sum(b > 0 for b in raw) >= 8
+    assert sum(b == 0 for b in shrunk) >= 20 and sum(shrunk) < 0.6 * sum(raw), (raw, shrunk)
 
 
 def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_beta():
@@ -304,9 +328,11 @@ def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_be
     o = torch.randn(8, 5, dtype=torch.float64)
     std = torch.ones(8, dtype=torch.float64)
     m = torch.ones(8, 5)
-    assert abs(critic_cv_coefficient(o, -2.0 * o, std, m) - 0.5) < 1e-12
-    assert critic_cv_coefficient(o, -0.5 * o, std, m) == 1.0     # over-confident critic: full weight only
-    assert critic_cv_coefficient(o, 0.7 * o, std, m) == 0.0      # anti-correlated critic: ignored
+    groups = torch.arange(4).repeat_interleave(2)
+    # (an exact linear relation: no residual, no standard error, no shrinkage)
+    assert abs(critic_cv_coefficient(o, -2.0 * o, std, m, groups) - 0.5) < 1e-12
+    assert critic_cv_coefficient(o, -0.5 * o, std, m, groups) == 1.0     # over-confident critic: full weight only
+    assert critic_cv_coefficient(o, 0.7 * o, std, m, groups) == 0.0      # anti-correlated critic: ignored
     # and a critic whose values are exactly each sample's outcome from its first token on is
     # trusted fully: its correction cancels the outcome (beta 1, advantages 0 after token 0)
     score = (rewards * mask).sum(-1)
