@@ -384,8 +384,6 @@ def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
     if not a.hybrid_engine:
         return ("the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool "
                 "turns yet: the rollout ranks' generation serves single turns only; use the colocated engine")
-    if cfg.algorithm.filter_groups.enable:
-        return "DAPO's dynamic sampling (algorithm.filter_groups.enable) is not run with tool turns yet"
     if cfg.reward_model.enable:
         return ("a reward model (reward_model.enable) reads each response as one model turn; scoring conversations "
                 "with tool turns is not implemented (use a rule or custom reward function)")
