@@ -179,7 +179,6 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
 
 @pytest.mark.parametrize("override, reason", [
     ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
-    ("reward_model.enable=true", "a reward model"),
 ])
 def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_validation(override, reason):
     from megappo import builders
@@ -200,11 +199,13 @@ def test_multi_turn_validates_on_the_colocated_engine():
                            f"actor_rollout_ref.model.use_remove_padding={packing}"], ["tiny_cpu"])
         validate(cfg, check_paths=False)
         assert multi_turn_unsupported(cfg) is None
-    # DAPO's rounds run multi-turn rollouts (tests/e2e/test_multi_turn_run.py)
-    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", "algorithm.filter_groups.enable=true",
-                       "algorithm.filter_groups.metric=score", "data.gen_batch_size=16"], ["tiny_cpu"])
-    validate(cfg, check_paths=False)
-    assert multi_turn_unsupported(cfg) is None
+    # DAPO's rounds run multi-turn rollouts (tests/e2e/test_multi_turn_run.py); a reward model scores
+    # the whole conversation at its last model token (tests/distributed/test_reward_model.py)
+    for extra in (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                   "data.gen_batch_size=16"], ["reward_model.enable=true", "reward_model.model.path=/rm"]):
+        cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", *extra], ["tiny_cpu"])
+        validate(cfg, check_paths=False)
+        assert multi_turn_unsupported(cfg) is None
 
 
 def test_num_turns_counts_as_verls():

@@ -10,7 +10,9 @@ the colocated engine, and every rank assembles the whole batch.
 - The reward function gets what verl's reward managers pass: ``extra_info["num_turns"]`` and
   ``extra_info["rollout_reward_scores"]`` (here each used tool's ``calc_reward``), and also
   ``extra_info["tool_rewards"]`` (the ``execute`` step rewards, verl's ``tool_rewards`` field).
-  As in verl, none of them is added to the score: the reward function decides.
+  As in verl, none of them is added to the score: the reward function decides. A reward model
+  reads the conversation's token ids, tool turns included, and scores its last model token
+  (:class:`megappo.workers.RewardModel`).
 """
 from __future__ import annotations
 
