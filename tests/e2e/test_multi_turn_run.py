@@ -5,7 +5,10 @@ Checks: the megatron actor's log-probs equal the engine's on every model token (
 tokens are exactly the template's tool turns and outside the response mask, and two steps of
 PPO with GAE and a critic (token-budget micro-batches, so each is cut to its longest
 conversation) log the turn metrics; a run resumed after step 1 repeats step 2 exactly. The
-same batch check holds with the actor at TP2 x PP2 on 4 processes."""
+same world then runs one step with DAPO's dynamic sampling over tool turns: rounds of
+conversations, groups whose scores are equal dropped, the kept rows exactly the informative
+groups' rows with their tool-turn masks. The same batch check holds with the actor at TP2 x PP2
+on 4 processes."""
 import json
 import math
 import shutil
@@ -87,6 +90,48 @@ def _check_first_batch(r):
     assert r["rollout_reward_scores"] == [{"calculator": 0.0}] * 16
 
 
+def _parity_reward(data_source, solution, ground_truth, extra_info=None):
+    """A score that differs between some samples of a prompt and not between others."""
+    return float(len(solution) % 2)
+
+
+def _dapo_step(cfg, trainer):
+    """One more step of the same trainer with DAPO's dynamic sampling (filter on the score, the
+    parity reward above): what each round generated and scored, and what the step trained on."""
+    rounds, kept = [], {}
+    rollout, score = trainer.generation.rollout, trainer.scorer
+
+    def recording_rollout(*a, **kw):
+        batch, items = rollout(*a, **kw)
+        rounds.append({"batch": batch, "items": items})
+        return batch, items
+
+    def recording_score(batch, items):
+        s = score(batch, items)
+        rounds[-1]["score"] = s.per_sample["score"].tolist()
+        return s
+
+    def recording_rows(batch):
+        kept.update(batch=batch)
+        return type(trainer).dp_rows(trainer, batch)
+
+    fg = cfg.algorithm.filter_groups
+    fg.enable, fg.metric, fg.max_num_gen_batches = True, "score", 10
+    score.custom_reward = _parity_reward
+    trainer.generation.rollout, trainer.scorer, trainer.dp_rows = recording_rollout, recording_score, recording_rows
+    metrics = trainer.step(log=False)
+
+    def rows(batch, items=None):
+        out = {k: getattr(batch, k).tolist() for k in ("prompt_index", "responses", "response_mask", "sequence_mask",
+                                                      "rollout_log_probs")}
+        if items is not None:
+            out["num_turns"] = [it.extra_info["num_turns"] for it in items]
+        return out
+
+    return {"rounds": [dict(rows(r["batch"], r["items"]), score=r["score"]) for r in rounds],
+            "kept": rows(kept["batch"]), "metrics": metrics}
+
+
 def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
     import torch
 
@@ -97,8 +142,9 @@ def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
     report = _first_batch(cfg, trainer)
     trainer.generation.pop_metrics()
     history = trainer.fit()
+    dapo = _dapo_step(cfg, trainer)   # after the run's last checkpoint: the resumed run does not see it
     if rank == 0:
-        report["history"] = history
+        report["history"], report["dapo"] = history, dapo
         Path(out).write_text(json.dumps(report))
     torch.distributed.barrier()
 
@@ -137,6 +183,7 @@ def test_multi_turn_ppo_on_cpu(tmp_path):
         # the length counts the tool turns
         assert 2 * r["delta"] < m["response_length/mean"] <= 18 + 2 * r["delta"]
     assert "val-core/synthetic/echo/reward/mean@1" in steps[-1]
+    _check_dapo_step(r["dapo"], r["delta"])
 
     # stopped after step 1 and resumed: step 2 draws and trains exactly as the straight run did
     resumed = tmp_path / "resumed"
@@ -150,6 +197,56 @@ def test_multi_turn_ppo_on_cpu(tmp_path):
     stable = {k: v for k, v in steps[1].items() if not k.startswith(clock)}
     assert len(stable) > 50 and "actor/pg_loss" in stable and "num_turns/mean" in stable
     assert {k: again[k] for k in stable} == stable
+
+
+def _check_dapo_step(d, delta):
+    """The kept batch is, row for row, the informative groups of each round in order (the first
+    data.train_batch_size = 8 of them), renumbered 0..7; its tool tokens are exactly the template's
+    tool turns; the turn metrics describe the kept samples, the tool counts every round's calls."""
+    rounds, kept, m = d["rounds"], d["kept"], d["metrics"]
+    fields = ("responses", "response_mask", "sequence_mask", "rollout_log_probs")
+    want = {f: [] for f in fields + ("prompt_index",)}
+    dropped, num_turns = 0, []
+    for rd in rounds:
+        groups = {}
+        for j, (g, s) in enumerate(zip(rd["prompt_index"], rd["score"])):
+            groups.setdefault(g, []).append((j, s))
+        for g in sorted(groups):
+            members = groups[g]
+            if len({s for _, s in members}) == 1:
+                dropped += 1
+                continue
+            if len(want["prompt_index"]) == 16:   # the last round's surplus
+                continue
+            for j, _ in members:
+                width = len(kept["responses"][0])
+                for f in fields:
+                    row = rd[f][j][:width]
+                    want[f].append(row + [0] * (width - len(row)))
+                want["prompt_index"].append(len(want["prompt_index"]) // 2)
+                num_turns.append(rd["num_turns"][j])
+    assert len(rounds) >= 2 and dropped >= 1, (len(rounds), dropped)
+    assert kept["prompt_index"] == want["prompt_index"] == [g for g in range(8) for _ in range(2)]
+    for f in ("response_mask", "sequence_mask", "rollout_log_probs"):
+        assert kept[f] == want[f], f
+    # responses are padded with the pad id past each row's end: compare inside the sequence
+    for k, w, seq in zip(kept["responses"], want["responses"], kept["sequence_mask"]):
+        n = int(sum(seq))
+        assert k[:n] == w[:n]
+    # tool tokens: in the sequence, out of the response mask, exactly the template's tool turns
+    for resp, model, seq, turns in zip(kept["responses"], kept["response_mask"], kept["sequence_mask"], num_turns):
+        tool = [t for t, a, b in zip(resp, model, seq) if b == 1 and a == 0]
+        assert len(tool) == (turns // 2 - 1) * delta and turns == 6
+    valid = sum(map(sum, kept["sequence_mask"]))
+    model = sum(map(sum, kept["response_mask"]))
+    assert m["train/num_gen_batches"] == len(rounds)
+    assert m["train/kept_prompt_fraction"] == pytest.approx(8 / (8 * len(rounds)))
+    assert m["tools/calls"] == 32 * len(rounds)               # two calls per sample, every round
+    assert m["multi_turn/stop/max_assistant_turns"] == 16     # the kept samples
+    assert m["multi_turn/tool_token_share"] == pytest.approx((valid - model) / valid)
+    assert (m["num_turns/min"], m["num_turns/max"], m["num_turns/mean"]) == (6, 6, 6)
+    assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["critic/vf_loss"])
+    assert m["training/rollout_probs_diff_max"] < 1e-4
 
 
 @pytest.mark.e2e

@@ -563,8 +563,8 @@ RULES = [
      PATHS, A + "megatron.dist_checkpointing_path", "{tmp}/ckpt is not a megatron-core dist_checkpointing folder "
      "(no metadata.json; expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"),
     # -- multi-turn (refused where it does not run yet; the tool files are checked without importing them)
-    ([R + "multi_turn.enable=true", "algorithm.filter_groups.enable=true"], {}, R + "multi_turn.enable",
-     "DAPO's dynamic sampling (algorithm.filter_groups.enable) is not run with tool turns yet"),
+    ([R + "multi_turn.enable=true", "actor_rollout_ref.hybrid_engine=false"], {}, R + "multi_turn.enable",
+     "the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool turns yet"),
     ([R + "multi_turn.enable=true", "data.return_raw_chat=false"], {}, "data.return_raw_chat",
      "must be true with multi_turn.enable"),
     ([R + "multi_turn.tool_config_path={tmp}/nope.yaml"], {}, R + "multi_turn.tool_config_path",

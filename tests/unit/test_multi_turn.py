@@ -179,8 +179,6 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
 
 @pytest.mark.parametrize("override, reason", [
     ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
-    ("algorithm.filter_groups.enable=true", "dynamic sampling"),
-    ("reward_model.enable=true", "a reward model"),
 ])
 def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_validation(override, reason):
     from megappo import builders
@@ -199,6 +197,13 @@ def test_multi_turn_validates_on_the_colocated_engine():
     for packing in ("false", "true"):   # packing reads the tool turns' lengths (tests/unit/test_packing.py)
         cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true",
                            f"actor_rollout_ref.model.use_remove_padding={packing}"], ["tiny_cpu"])
+        validate(cfg, check_paths=False)
+        assert multi_turn_unsupported(cfg) is None
+    # DAPO's rounds run multi-turn rollouts (tests/e2e/test_multi_turn_run.py); a reward model scores
+    # the whole conversation at its last model token (tests/distributed/test_reward_model.py)
+    for extra in (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                   "data.gen_batch_size=16"], ["reward_model.enable=true", "reward_model.model.path=/rm"]):
+        cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", *extra], ["tiny_cpu"])
         validate(cfg, check_paths=False)
         assert multi_turn_unsupported(cfg) is None
 
@@ -286,7 +291,7 @@ def test_the_trainers_rollout_puts_tool_turns_in_the_sequence_and_out_of_the_los
                        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"], ["tiny_cpu"])
     engine = ScriptedRollout(tok, prompts, script)
     mt = MultiTurnRollout(cfg, engine, tok, ToolRunner({"lookup": Lookup()}), pad_id=tok.pad_token_id)
-    batch, its, metrics = mt.rollout(items, SamplingConfig(n=2, max_tokens=300, seed=1000), rank=0, world=1)
+    batch, its, metrics, samples = mt.rollout(items, SamplingConfig(n=2, max_tokens=300, seed=1000), rank=0, world=1)
 
     assert batch.prompt_index.tolist() == [0, 0, 1, 1]
     delta = ToolTurnTokens(tok, [tok.eos_token_id])(["7"])
@@ -310,6 +315,8 @@ def test_the_trainers_rollout_puts_tool_turns_in_the_sequence_and_out_of_the_los
     assert "num_turns" not in items[0].extra_info          # the dataset's rows are not touched
     assert (metrics["num_turns/min"], metrics["num_turns/max"], metrics["num_turns/mean"]) == (2, 4, 3)
     assert metrics["tools/calls"] == 2
+    # the samples come back in the batch's order (DAPO's rounds keep those of the rows they keep)
+    assert [s.response_ids for s in samples] == want and [s.num_turns for s in samples] == [4, 4, 2, 2]
 
 
 def test_replica_metrics_merge_as_one_rollouts():
@@ -390,7 +397,7 @@ def test_the_reward_function_reads_the_whole_conversation_and_its_turns(tok):
     cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true"], ["tiny_cpu"])
     mt = MultiTurnRollout(cfg, ScriptedRollout(tok, prompts, [[lookup("x"), "x is 7."]]), tok,
                           ToolRunner({"lookup": Lookup()}), pad_id=tok.pad_token_id)
-    batch, its, _ = mt.rollout(items, SamplingConfig(n=1, max_tokens=300, seed=0), rank=0, world=1)
+    batch, its, _, _ = mt.rollout(items, SamplingConfig(n=1, max_tokens=300, seed=0), rank=0, world=1)
     seen = []
 
     def reward(data_source, solution_str, ground_truth, extra_info):

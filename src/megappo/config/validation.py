@@ -379,16 +379,12 @@ def _multi_turn(cfg: PPOConfig, need: Need) -> None:
 
 def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
     """Why multi_turn.enable cannot run with these settings (None: it can). Multi-turn runs on the
-    colocated engine, synchronously; the combinations below are not implemented with tool turns."""
+    colocated engine, synchronously (with DAPO's dynamic sampling and a reward model too); the
+    split placement's rollout ranks serve single turns only."""
     a = cfg.actor_rollout_ref
     if not a.hybrid_engine:
         return ("the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool "
                 "turns yet: the rollout ranks' generation serves single turns only; use the colocated engine")
-    if cfg.algorithm.filter_groups.enable:
-        return "DAPO's dynamic sampling (algorithm.filter_groups.enable) is not run with tool turns yet"
-    if cfg.reward_model.enable:
-        return ("a reward model (reward_model.enable) reads each response as one model turn; scoring conversations "
-                "with tool turns is not implemented (use a rule or custom reward function)")
     return None
 
 

@@ -28,6 +28,7 @@ class Generation:
         self.pad_id, self.rank, self.world, self.split, self.timer = pad_id, rank, world, split, timer
         self.turns = turns     # a MultiTurnRollout (multi_turn.enable), else None
         self.turn_metrics: dict = {}   # the last multi-turn rollout's (turns, tool calls)
+        self.turn_samples: list = []   # and its samples (MultiTurnSample), one per row of its batch
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
         self.inflight = None   # one-step off: the next step's generation (prompt indices, outputs, policy version)
         self.next_indices: Optional[list] = None   # prompts of the generation in flight
@@ -44,7 +45,8 @@ class Generation:
         replica's samples on every rank."""
         sampling = self.sampling(sampling, salt, offset, step)
         if self.turns is not None:   # conversations with tool turns, each replica its prompts' samples
-            batch, items, self.turn_metrics = self.turns.rollout(items, sampling, self.rank, self.world)
+            batch, items, self.turn_metrics, self.turn_samples = self.turns.rollout(items, sampling, self.rank,
+                                                                                     self.world)
             return batch, items
         prompts = [it.prompt_ids for it in items]
         if self.split:   # the rollout ranks generate (each replica its slice, seeded the same way)
@@ -104,10 +106,16 @@ class Generation:
         prompts are generated and scored (``score(batch, items)`` -> :class:`Scores`), groups whose
         metric does not vary are dropped, until data.train_batch_size prompts are kept (the last
         round's surplus is dropped too). ``wake()`` syncs the weights into an engine that dropped
-        them for the reward model. Returns the kept batch (scored), its items and the metrics."""
+        them for the reward model. Returns the kept batch (scored), its items and the metrics.
+
+        With tool turns each round is a multi-turn rollout (its own seeds, each row's tools_kwargs);
+        the kept rows keep their ``sequence_mask`` and items. The turn metrics then describe the
+        kept samples, as ``response_length/*`` and ``critic/score/*`` do, while the tool runner's
+        counts and seconds (``tools/*``) add up over every round: the tool work the step did."""
         fg = self.cfg.algorithm.filter_groups
         want, kept, kept_items, n_kept, n_prompts, rounds = self.cfg.data.train_batch_size, [], [], 0, 0, 0
         generated_scores, metrics = [], {}
+        round_turn_metrics, kept_samples = [], []   # multi-turn: each round's, and the kept rows' samples
         while n_kept < want:
             if fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches:
                 raise RuntimeError(
@@ -132,10 +140,17 @@ class Generation:
             part.prompt_index = n_kept + torch.searchsorted(groups, part.prompt_index)  # groups 0..want-1
             kept.append(part)
             kept_items += [its[i] for i in rows.tolist()]
+            if self.turns is not None:
+                round_turn_metrics.append(self.turn_metrics)
+                kept_samples += [self.turn_samples[i] for i in rows.tolist()]
             n_kept += len(groups)
             n_prompts += len(items)
             rounds += 1
         # critic/score/* describe the kept (filtered) batch; this is the policy's score on all it generated
         metrics.update({"train/num_gen_batches": float(rounds), "train/kept_prompt_fraction": n_kept / n_prompts,
                         "train/generated_score_mean": float(torch.cat(generated_scores).mean())})
+        if self.turns is not None:
+            from .turns import merge_turn_metrics
+
+            self.turn_metrics, self.turn_samples = merge_turn_metrics(round_turn_metrics, kept_samples), kept_samples
         return RolloutBatch.concat(kept, self.pad_id), kept_items, metrics

@@ -10,7 +10,9 @@ the colocated engine, and every rank assembles the whole batch.
 - The reward function gets what verl's reward managers pass: ``extra_info["num_turns"]`` and
   ``extra_info["rollout_reward_scores"]`` (here each used tool's ``calc_reward``), and also
   ``extra_info["tool_rewards"]`` (the ``execute`` step rewards, verl's ``tool_rewards`` field).
-  As in verl, none of them is added to the score: the reward function decides.
+  As in verl, none of them is added to the score: the reward function decides. A reward model
+  reads the conversation's token ids, tool turns included, and scores its last model token
+  (:class:`megappo.workers.RewardModel`).
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def replica_tools(runner, rank: int, world: int, rollout_tp: int):
 
 
 class MultiTurnRollout:
-    """``rollout(items, sampling, rank, world)`` -> (batch, one item per sample, metrics)."""
+    """``rollout(items, sampling, rank, world)`` -> (batch, one item per sample, metrics, the
+    samples in batch order)."""
 
     def __init__(self, cfg, engine, tokenizer, runner, pad_id: int, rank: int = 0, world: int = 1):
         from megappo.rollout import ToolTurnTokens, loop_settings
@@ -85,7 +88,7 @@ class MultiTurnRollout:
         # the parser reads the model's text as the template wrote it: <tool_call> may be a special token
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
-    def rollout(self, items: list, sampling, rank: int, world: int) -> tuple[RolloutBatch, list, dict]:
+    def rollout(self, items: list, sampling, rank: int, world: int) -> tuple[RolloutBatch, list, dict, list]:
         from megappo.rollout import VLLMTurns, multi_turn_generate, prompt_slice, rollout_replica
         from megappo.tools import tools_kwargs_of
 
@@ -108,7 +111,7 @@ class MultiTurnRollout:
         samples = [s for _, ss, _ in parts for s in ss]
         index = [i for start, ss, _ in parts for i in range(start, start + len(ss) // n) for _ in range(n)]
         return (self.batch(samples, items, index), [with_turns(items[i], s) for i, s in zip(index, samples)],
-                merge_turn_metrics([m for _, _, m in parts], samples))
+                merge_turn_metrics([m for _, _, m in parts], samples), samples)
 
     def batch(self, samples: list, items: list, index: list[int]) -> RolloutBatch:
         """The samples as a RolloutBatch: prompt order, tool turns in the sequence only."""
@@ -135,8 +138,9 @@ def with_turns(item, sample):
 
 
 def merge_turn_metrics(parts: list[dict], samples: list) -> dict:
-    """One step's metrics from every replica's: the tool runners' counts and seconds add up (the
-    slowest call is the slowest of all), the per-sample figures are over all samples."""
+    """One step's metrics from several rollouts' (every replica's, or DAPO's rounds): the tool
+    runners' counts and seconds add up (the slowest call is the slowest of all), the per-sample
+    figures are over ``samples``."""
     from megappo.rollout import sample_metrics
 
     out: dict[str, float] = {}

@@ -420,22 +420,32 @@ class Critic(MegatronWorker):
 
 class RewardModel(Critic):
     """Outcome reward model: a critic-style scalar head read at the last token of each response
-    (verl's convention for megatron reward models), forward only."""
+    (verl's convention for megatron reward models), forward only.
+
+    With tool turns (multi-turn) it reads the whole conversation as the policy saw it, the exact
+    token ids (prompt, model turns, tool turns; no re-rendering), and scores at the last *model*
+    token: there causal attention has seen everything before it, and the score lands on an action
+    the policy took (a score on a tool token would be outside the response mask every advantage
+    reads). megappo's turn loop always ends a conversation with a model turn, so this is the last
+    token of the sequence, where verl's megatron reward model reads it too."""
 
     def compute_scores(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                        max_token_len: Optional[int] = None) -> torch.Tensor:
-        """(B, T) token-level scores: the model's output at each response's last token, placed
-        on that token; zero elsewhere (and for empty responses)."""
+        """(B, T) token-level scores: the model's output at each response's last model token
+        (``response_mask``), placed on that token; zero elsewhere (and for empty responses)."""
         def per_sample(output, ids, mb):
-            n = mb.response_mask.sum(-1).long()
+            mask = mb.response_mask
+            # the last model token's index: with tool turns the mask has gaps, so its sum is no position
+            idx = torch.arange(mask.shape[1], device=mask.device)
+            end = torch.where(mask > 0, idx, -1).amax(-1)
             per_position = output[..., 0].float()
             if isinstance(ids, Packed):
                 per_position = ids.rows(per_position)
-            last = (mb.prompt_lengths + n - 1).clamp(max=per_position.shape[1] - 1)
-            score = per_position.gather(1, last[:, None])
-            tls = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=score.device)
-            tls.scatter_(1, (n - 1).clamp(min=0)[:, None], score)
-            return tls * mb.response_mask.to(tls.device)
+            last = (mb.prompt_lengths.to(end.device) + end).clamp(min=0, max=per_position.shape[1] - 1)
+            score = per_position.gather(1, last.to(per_position.device)[:, None])
+            tls = torch.zeros(mask.shape, dtype=torch.float32, device=score.device)
+            tls.scatter_(1, end.clamp(min=0).to(score.device)[:, None], score)
+            return tls * mask.to(tls.device)
         return self._forward(batch, micro_batch_size, max_token_len, per_sample)
 
 
