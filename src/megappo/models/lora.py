@@ -183,6 +183,12 @@ def _hook(branch: _LoRABranch):
     return hook
 
 
+def _input_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
 def _layers(chunk):
     """(chunk-local index, layer) of a GPTModel chunk's decoder layers."""
     return list(enumerate(chunk.decoder.layers))
@@ -231,6 +237,12 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
     params = []
     for chunk in chunks:
         config = chunk.config
+        if getattr(chunk, "embedding", None) is not None:
+            # With the embedding frozen its output needs no gradient, and megatron's recomputation
+            # (a reentrant autograd function) gives no gradient to anything inside a checkpointed
+            # layer whose inputs need none: the adapters would silently never learn
+            # (PEFT's enable_input_require_grads, for the same reason).
+            chunk.embedding.register_forward_hook(_input_requires_grad)
         for local, layer in _layers(chunk):
             g = _global_layer(chunk, local)
             for path, modules in by_linear.items():
