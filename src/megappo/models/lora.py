@@ -39,8 +39,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["LORA_MODULES", "LoRAError", "LoRASpec", "parse_lora_modules", "lora_targets", "apply_lora",
-           "lora_parameters", "peft_name", "load_lora_tensors", "export_lora_tensors", "set_lora_enabled"]
+__all__ = ["LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "parse_lora_modules", "lora_targets", "apply_lora",
+           "lora_parameters", "peft_name", "load_lora_tensors", "export_lora_tensors", "set_lora_enabled",
+           "read_peft_adapter", "write_peft_adapter"]
 
 # HF module -> (megatron linear under a layer, its part of a fused linear, TP kind)
 LORA_MODULES = {
@@ -95,6 +96,19 @@ class LoRASpec:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+def lora_spec_from_config(model: "ModelConfig" | "CriticModelConfig") -> Optional[LoRASpec]:
+    """The adapters a role's model section (verl's keys) asks for; None: full fine-tuning. With
+    ``lora_adapter_path`` the adapter folder's own rank, alpha and modules win, as in verl (which
+    loads it with PEFT). (Validation refuses LoRA while the trainer does not build adapters.)"""
+    path = model.lora_adapter_path if hasattr(model, "lora_adapter_path") else None   # the critic has none
+    if path:
+        return read_peft_adapter(path)[0]
+    if model.lora_rank <= 0:
+        return None
+    excluded = model.exclude_modules if hasattr(model, "exclude_modules") else None
+    return LoRASpec(int(model.lora_rank), float(model.lora_alpha), tuple(lora_targets(model.target_modules, excluded)))
 
 
 def peft_name(layer: int, module: str, which: str) -> str:
@@ -391,3 +405,66 @@ def export_lora_tensors(chunks, grads: bool = False) -> dict[str, torch.Tensor]:
         dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
         mine = {k: v for s in stages for k, v in s.items()}
     return mine
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def read_peft_adapter(path: str) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter folder (``save_pretrained``'s adapter_config.json and
+    adapter_model.safetensors) as the spec megappo builds and its tensors by PEFT's names. What
+    megappo's adapters cannot compute (rsLoRA, DoRA, trained biases, per-module ranks or alphas,
+    extra trained modules, a subset of layers, modules other than the decoder's linears) is
+    refused, named."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    folder = os.path.expanduser(path)
+    cfg_file, weights = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
+    for f in (cfg_file, weights):
+        if not os.path.isfile(f):
+            raise LoRAError(f"{path}: no {os.path.basename(f)} (expected a PEFT LoRA adapter folder)")
+    with open(cfg_file) as fh:
+        c = json.load(fh)
+    problems = []
+    if c.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {c.get('peft_type')!r} (LORA only)")
+    for key, fine in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
+        if c.get(key, fine) != fine:
+            problems.append(f"{key}={c[key]!r} (megappo computes {key}={fine!r})")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "layer_replication"):
+        if c.get(key):
+            problems.append(f"{key}={c[key]!r} is not supported")
+    targets = c.get("target_modules")
+    try:
+        modules = lora_targets(targets if isinstance(targets, str) else sorted(targets or []), c.get("exclude_modules"))
+    except LoRAError as e:
+        problems.append(str(e))
+        modules = []
+    if problems:
+        raise LoRAError(f"{path}: " + "; ".join(problems))
+    return LoRASpec(int(c["r"]), float(c["lora_alpha"]), tuple(modules)), load_file(weights)
+
+
+def write_peft_adapter(path: str, tensors: dict[str, torch.Tensor], spec: LoRASpec,
+                       base_model_name_or_path: Optional[str] = None, task_type: str = "CAUSAL_LM") -> None:
+    """Write ``tensors`` (PEFT names, e.g. :func:`export_lora_tensors`) as a PEFT adapter folder
+    that ``PeftModel.from_pretrained`` loads."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    bad = sorted(n for n in tensors if not _PEFT_NAME.match(n))
+    if bad:
+        raise LoRAError("not PEFT adapter names: " + ", ".join(bad))
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": task_type, "r": spec.rank, "lora_alpha": spec.alpha,
+              "target_modules": list(spec.modules), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+              "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": base_model_name_or_path}
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as fh:
+        json.dump(config, fh, indent=2)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS))
