@@ -63,7 +63,8 @@ def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file):
     from megatron.core import parallel_state as ps
 
     from megappo.distributed import log_probs_from_logits
-    from megappo.models import LoRASpec, apply_lora, export_lora_tensors, load_lora_tensors, lora_targets, set_lora_enabled
+    from megappo.models import (LoRAError, LoRASpec, apply_lora, export_lora_tensors, load_lora_tensors, lora_targets,
+                                set_lora_enabled)
 
     tp_group = ps.get_tensor_model_parallel_group()
     info, cfg, chunks = build(path, tp, pp, sp=sp)
@@ -83,6 +84,8 @@ def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file):
     base = run(False)
     apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, tuple(lora_targets(CASES[case]))))
     fresh = run(False)   # B starts at zero: exactly the base model
+    with pytest.raises(LoRAError, match="has adapters already"):
+        apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, ("q_proj",)))
     load_lora_tensors(chunks, torch.load(tensors_file))
     set_lora_enabled(chunks, False)
     off = run(False)     # adapters off (the reference policy): exactly the base model

@@ -99,6 +99,12 @@ VERL_DEFAULTS = {
     "trainer.resume_mode": "auto",
     "trainer.balance_batch": True,
     "trainer.device": "cuda",
+    "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.model.lora_alpha": 16,
+    "actor_rollout_ref.model.exclude_modules": None,
+    "actor_rollout_ref.model.lora_adapter_path": None,
+    "critic.model.lora_rank": 0,
+    "critic.model.lora_alpha": 16,
 }
 
 

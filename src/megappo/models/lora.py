@@ -236,6 +236,8 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
     if any(getattr(c, "megappo_te_spec", False) for c in chunks):
         raise LoRAError("LoRA needs megatron's local layer spec: TransformerEngine's linear_qkv / linear_fc1 "
                         "include the preceding norm, so their input is not the HF module's")
+    if next(_branches(chunks), None) is not None:
+        raise LoRAError("the model has adapters already (apply_lora runs once per model)")
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for c in chunks:
         for p in c.parameters():
