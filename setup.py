@@ -49,6 +49,9 @@ TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
     "psutil>=5.9",   # tests/processes.py: no process outlives the suite
+    # The LoRA tests check megappo's adapters against PEFT's LoRA on the transformers model
+    # (the reference implementation users' adapters come from); the package itself does not import it.
+    "peft>=0.17",
 ]
 
 # Optional metric sinks (trainer.logger=[...,wandb,mlflow]); mlflow-skinny is MLflow's client

@@ -99,6 +99,12 @@ VERL_DEFAULTS = {
     "trainer.resume_mode": "auto",
     "trainer.balance_batch": True,
     "trainer.device": "cuda",
+    "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.model.lora_alpha": 16,
+    "actor_rollout_ref.model.exclude_modules": None,
+    "actor_rollout_ref.model.lora_adapter_path": None,
+    "critic.model.lora_rank": 0,
+    "critic.model.lora_alpha": 16,
 }
 
 
@@ -562,6 +568,22 @@ RULES = [
     (GOOD_PATHS + [A + "megatron.use_dist_checkpointing=true", A + "megatron.dist_checkpointing_path={tmp}/ckpt"],
      PATHS, A + "megatron.dist_checkpointing_path", "{tmp}/ckpt is not a megatron-core dist_checkpointing folder "
      "(no metadata.json; expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"),
+    # -- LoRA: verl's keys checked (names against the HF modules megappo adapts), then refused until the trainer uses them
+    (["actor_rollout_ref.model.lora_rank=-1"], {}, "actor_rollout_ref.model.lora_rank", "must be >= 0 (0 turns LoRA off), got -1"),
+    (["actor_rollout_ref.model.lora_rank=8"], {}, "actor_rollout_ref.model.lora_rank",
+     "LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; vLLM "
+     "adapter sync, checkpoints and the planner follow); got 8, use 0 (full fine-tuning)"),
+    (["critic.model.lora_rank=-2"], {}, "critic.model.lora_rank", "must be >= 0 (0 turns LoRA off), got -2"),
+    (["critic.model.lora_rank=16"], {}, "critic.model.lora_rank", "LoRA training is not wired into the trainer yet"),
+    (["actor_rollout_ref.model.target_modules=q_proj,qproj"], {}, "actor_rollout_ref.model.target_modules",
+     "unknown module name 'qproj'; accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (["actor_rollout_ref.model.exclude_modules=[lm_head, o_proj]"], {}, "actor_rollout_ref.model.exclude_modules",
+     "unknown module name 'lm_head'; accepted: all-linear, q_proj"),
+    (["critic.model.target_modules=[linear_qkv, router]"], {}, "critic.model.target_modules",
+     "unknown module names 'linear_qkv', 'router'; accepted: all-linear,"),
+    (["actor_rollout_ref.model.lora_adapter_path=/tmp/adapter"], {}, "actor_rollout_ref.model.lora_adapter_path",
+     "LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; vLLM "
+     "adapter sync, checkpoints and the planner follow); got '/tmp/adapter', use null"),
     # -- multi-turn (refused where it does not run yet; the tool files are checked without importing them)
     ([R + "multi_turn.enable=true", "actor_rollout_ref.hybrid_engine=false"], {}, R + "multi_turn.enable",
      "the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool turns yet"),
@@ -903,3 +925,32 @@ def test_start_checkpoint_warnings():
         "actor_rollout_ref.ref.megatron.use_dist_checkpointing=true",
         "actor_rollout_ref.ref.megatron.dist_checkpointing_path=/ckpt"], warnings=warnings)
     assert warnings == []
+
+
+def test_lora_keys_take_verls_forms():
+    """target_modules as verl writes it: all-linear, a comma-separated string or a list; rank 0
+    (off) validates with any of them."""
+    from megappo.models import lora_targets
+
+    for value, want in (("all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+                        ("q_proj,v_proj", ["q_proj", "v_proj"]), ("[gate_proj, up_proj]", ["gate_proj", "up_proj"])):
+        cfg = ok([f"actor_rollout_ref.model.target_modules={value}", "actor_rollout_ref.model.exclude_modules=[k_proj]"])
+        m = cfg.actor_rollout_ref.model
+        assert lora_targets(m.target_modules, m.exclude_modules) == [n for n in want if n != "k_proj"]
+    cfg = ok()
+    assert (cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha) == (0, 16)
+    assert cfg.actor_rollout_ref.model.target_modules == ["all-linear"] and cfg.critic.model.lora_rank == 0
+
+
+def test_verls_megatron_bridge_lora_block_is_inert_at_rank_0_and_refused_above():
+    """verl's Megatron configs also carry a Megatron-Bridge block (model.lora.rank, alpha, ...):
+    accepted while its rank is 0 (verl's default), refused with megappo's keys named otherwise."""
+    from megappo.config import load_config
+
+    load_config(["actor_rollout_ref.model.lora.rank=0", "actor_rollout_ref.model.lora.alpha=32",
+                 "critic.model.lora.target_modules=[linear_qkv]"], ["tiny_cpu"])
+    for key, value in (("critic.model.lora.rank", "8"), ("actor_rollout_ref.model.lora.adapter_path", "/tmp/a")):
+        with pytest.raises(ConfigError) as ei:
+            load_config([f"{key}={value}"], ["tiny_cpu"])
+        assert "Megatron-Bridge LoRA setting" in dict(ei.value.errors)[key]
+        assert "actor_rollout_ref.model.lora_rank" in dict(ei.value.errors)[key]

@@ -57,6 +57,7 @@ def validate(
     _optimizers(cfg, need)
     _trainer(cfg, need)
     _start_checkpoints(cfg, need, W)
+    _lora(cfg, need)
     if check_paths:
         _paths(cfg, need, installed)
     if E:
@@ -474,6 +475,38 @@ def _start_checkpoints(cfg: PPOConfig, need: Need, W: list[str]) -> None:
                  f"policy starts from model.path's HF weights, not from the actor's checkpoint")
 
 
+LORA_NOT_WIRED = ("LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; "
+                  "vLLM adapter sync, checkpoints and the planner follow)")
+
+
+def _lora_name_problem(value, excluded: bool) -> str:
+    """'' when every entry of a target_modules / exclude_modules value is a known HF module name
+    (or all-linear), else the message naming the bad ones and the accepted ones."""
+    if value is None or list(value) == ["all-linear"]:
+        return ""   # the defaults: no need to import the model code (torch) for them
+    from megappo.models import LoRAError, lora_targets
+
+    try:
+        lora_targets("all-linear", value) if excluded else lora_targets(value)
+    except LoRAError as e:
+        return str(e).split(": ", 1)[1]
+    return ""
+
+
+def _lora(cfg: PPOConfig, need: Need) -> None:
+    """verl's LoRA keys: checked, then refused while the trainer does not use adapters."""
+    for sect, keys in (("actor_rollout_ref.model.", ("target_modules", "exclude_modules")),
+                       ("critic.model.", ("target_modules",))):
+        rank = get(cfg, sect + "lora_rank")
+        if need(rank >= 0, sect + "lora_rank", f"must be >= 0 (0 turns LoRA off), got {rank}"):
+            need(rank == 0, sect + "lora_rank", f"{LORA_NOT_WIRED}; got {rank}, use 0 (full fine-tuning)")
+        for key in keys:
+            problem = _lora_name_problem(get(cfg, sect + key), key == "exclude_modules")
+            need(not problem, sect + key, problem)
+    path = cfg.actor_rollout_ref.model.lora_adapter_path
+    need(path is None, "actor_rollout_ref.model.lora_adapter_path", f"{LORA_NOT_WIRED}; got {path!r}, use null")
+
+
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
     """A real start: files, model folders and the packages the chosen loggers need exist."""
     tr = cfg.trainer
@@ -549,5 +582,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _lora, _paths, _check_model_path,
                   _check_experts)

@@ -16,6 +16,10 @@ import yaml
 MEGATRON_ONLY = ("megappo is Megatron-only: FSDP settings do not apply (the layout: "
                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size)")
 
+BRIDGE_LORA = ("is verl's Megatron-Bridge LoRA setting, which megappo does not read: its LoRA keys are verl's "
+               "HF-model ones (actor_rollout_ref.model.lora_rank, lora_alpha, target_modules with HF module names, "
+               "exclude_modules, lora_adapter_path; critic.model.lora_rank, lora_alpha, target_modules)")
+
 # (key pattern, check(value) -> None when accepted silently, ("warn", text) or ("error", text))
 Rule = Callable[[Any], Optional[tuple[str, str]]]
 
@@ -82,6 +86,10 @@ RULES: list[tuple[str, Rule]] = [
     ("trainer.default_hdfs_dir", _when(lambda v: v is not None, "error", "must be null: HDFS copies are not supported; checkpoints go to trainer.default_local_dir")),
     ("ray_kwargs.*", _always("warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
     # features megappo lacks
+    # verl's Megatron-Bridge LoRA block: meaningless while its rank is 0; megappo's LoRA keys are verl's HF-model ones
+    ("*.model.lora.rank", _when(lambda v: v not in (0, None), "error", BRIDGE_LORA)),
+    ("*.model.lora.adapter_path", _when(lambda v: v is not None, "error", BRIDGE_LORA)),
+    ("*.model.lora.*", lambda v: None),
     ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: context parallelism is not supported")),
     ("reward_model.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: the reward model loads from the HF folder in reward_model.model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
     # MoE performance switches of verl's Megatron recipes: what megappo does, or a note that it does not

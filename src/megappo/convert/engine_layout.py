@@ -41,7 +41,7 @@ from megappo.models import ModelDesc
 from .hf_io import gather_full, local_params
 from .names import ParamMap, full_shape, param_maps, to_hf
 from .parallel import tp_shard_shape
-from .tensor_maps import qkv_group_views
+from megappo.models import qkv_group_views
 
 __all__ = ["SyncTensor", "ShardSyncPlan", "plan_shard_sync", "iter_sync_tensors", "kernel_name", "kernel_shard",
            "layer_buckets"]

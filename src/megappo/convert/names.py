@@ -11,9 +11,7 @@ from typing import Optional
 
 import torch
 
-from megappo.models import ModelDesc
-
-from .tensor_maps import fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
+from megappo.models import ModelDesc, fuse_gate_up, fuse_qkv, pad_vocab, split_gate_up, split_qkv, unpad_vocab
 
 __all__ = ["ParamMap", "param_maps", "to_megatron", "to_hf", "full_shape"]
 

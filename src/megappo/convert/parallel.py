@@ -14,7 +14,7 @@ import torch
 
 from megappo.layout import global_layer, layer_owner
 
-from .tensor_maps import qkv_group_views
+from megappo.models import qkv_group_views
 from .names import ParamMap
 
 __all__ = ["tp_shard", "tp_shard_shape", "tp_gather", "tp_rows", "to_local_name", "to_global_name", "shard_into_hf"]

@@ -1,18 +1,20 @@
-"""Pure tensor maps between HF tensors and megatron-core tensors, on FULL (unsharded) tensors.
+"""Pure tensor maps between HF tensors and megatron-core tensors, on FULL (unsharded) tensors (the
+weight converter, megappo.convert, and the LoRA adapters' fused outputs, megappo.models.lora, use them).
 
 Architecture facts (megatron-core 0.16, local and TE specs alike):
 - ``linear_qkv`` stacks, for each query group g, that group's query heads, then its key head,
   then its value head: rows ``[q_g (heads/groups * d) ; k_g (d) ; v_g (d)]`` for g = 0..G-1.
   A contiguous split over TP therefore hands each rank whole groups.
 - ``linear_fc1`` is ``[gate ; up]`` (SwiGLU); under TP each rank holds ``[gate_r ; up_r]``, so
-  the TP split works on each half separately (see :mod:`megappo.convert.parallel`).
+  the TP split works on each half separately (see :mod:`megappo.convert.parallel`); a rank's
+  own shard is the same maps applied to its groups / rows.
 - The word embedding and output layer have the vocabulary padded to ``padded_vocab_size``.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["fuse_qkv", "split_qkv", "fuse_gate_up", "split_gate_up", "pad_vocab", "unpad_vocab"]
+__all__ = ["fuse_qkv", "qkv_group_views", "split_qkv", "fuse_gate_up", "split_gate_up", "pad_vocab", "unpad_vocab"]
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
