@@ -95,7 +95,7 @@ def save_worker(worker, path: str) -> None:
 def end_writer_process() -> bool:
     """End the process megatron's file writer keeps for the rest of the process's life: its first
     save starts a ``multiprocessing`` Manager (a spawned server, ~0.5 GB) for its results queue.
-    At exit multiprocessing ends it anyway; a long-lived caller (a test session, a notebook) that
+    At exit multiprocessing ends it anyway; a long-lived caller (a test run, a notebook) that
     saved a checkpoint calls this instead of carrying it. Returns whether one was running."""
     import sys
 
