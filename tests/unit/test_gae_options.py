@@ -318,11 +318,16 @@ def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_be
     rewards, values, mask, index = _batch(seed=12, groups=5, n=4, T=6)
     kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=1.0)
     grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
-    # values shared by the group at each position: d = 0 exactly, beta = 0, GRPO's advantage
-    shared = torch.randn(5, mask.shape[1], dtype=torch.float64)[index] * mask
+    # values shared by the group at each position: d = 0 (up to rounding), beta = 0, GRPO's advantage
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randn(5, mask.shape[1], dtype=torch.float64, generator=g)[index] * mask
     got, _ = algo.compute_advantages("gae", values=shared, gae_adv_norm="group_cv", **kw)
     torch.testing.assert_close(got, grpo.double(), rtol=1e-5, atol=1e-5)
     assert algo.critic_cv_beta(rewards, shared, mask, index, 1.0, 1.0) == 0.0
+    for seed in range(20):   # whatever the draw (the rounding of d differs with the values)
+        g = torch.Generator().manual_seed(seed)
+        other = torch.randn(5, mask.shape[1], dtype=torch.float64, generator=g)[index] * mask
+        assert algo.critic_cv_beta(rewards, other, mask, index, 1.0, 1.0) == 0.0, seed
     # the clamp, on planted parts: d = -k o gives beta = 1/k, clamped to [0, 1]
     from megappo.algo.advantages import critic_cv_coefficient
     o = torch.randn(8, 5, dtype=torch.float64)

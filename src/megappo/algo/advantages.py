@@ -492,14 +492,16 @@ def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: flo
     correction, beta_hat = -sum(o d w) / sum(d^2 w) with w = 1 / std_g^2 over the response tokens of
     groups whose scores differ (DP-global), and its standard error clustered by prompt group (a
     group's tokens share one outcome noise: counting tokens as independent would make the error
-    look tens of times smaller than it is). (0.0, inf) when d is 0 there."""
+    look tens of times smaller than it is). (0.0, inf) when d is 0 there (or at rounding level)."""
     live = (std > eps).to(torch.float64)[:, None] * response_mask.to(torch.float64)
     scale = live / (std.to(torch.float64)[:, None] + eps)
     y, x = o * scale, -d * scale
-    t = torch.stack([(x * y).sum(), (x * x).sum()])
+    t = torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
     if dp_group is not None:
         dist.all_reduce(t, group=dp_group)
-    if float(t[1]) <= 0.0:
+    # d at rounding level (a critic whose values the group shares: GAE over different lengths
+    # rounds differently) is no correction at all; its ratio would be arbitrary
+    if float(t[1]) <= 1e-12 * float(t[2]):
         return 0.0, float("inf")
     beta = t[0] / t[1]
     per_sample = (x * (y - beta * x)).sum(-1)
