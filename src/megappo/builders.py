@@ -39,9 +39,19 @@ def build_engine(cfg: PPOConfig):
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             gpu_memory_utilization=ro.gpu_memory_utilization,
             enforce_eager=enforce_eager(cfg),
-            free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed)
+            free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed, lora_rank=engine_lora_rank(cfg))
     except Exception as e:   # named: the phase, and the memory settings when memory ran out
         raise engine_failure("its start", e, ro.gpu_memory_utilization) from e
+
+
+def engine_lora_rank(cfg: PPOConfig) -> int:
+    """The rank of the adapters the engine serves: the actor's LoRA rank, or 0 (no adapters:
+    full weights, or a rank vLLM cannot serve, synced merged; see megappo.sync)."""
+    from megappo.models import lora_spec_from_config
+    from megappo.rollout.engine import VLLM_MAX_LORA_RANK
+
+    spec = lora_spec_from_config(cfg.actor_rollout_ref.model)
+    return spec.rank if spec is not None and spec.rank <= VLLM_MAX_LORA_RANK else 0
 
 
 def enforce_eager(cfg: PPOConfig) -> bool:
@@ -51,13 +61,16 @@ def enforce_eager(cfg: PPOConfig) -> bool:
 
 
 def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,
-                device: torch.device, checkpointing: bool = False, section: Optional[str] = None):
+                device: torch.device, checkpointing: bool = False, section: Optional[str] = None, lora=None,
+                lora_adapter_path: Optional[str] = None):
     """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
     equals the actor's, validated; sequence parallelism, the seed and recomputation are the
     role's; ``checkpointing``: its model section's enable_gradient_checkpointing). The weights
     come from model.path, or from ``mc``'s dist_checkpointing_path when it sets
     use_dist_checkpointing (``section``: ``mc``'s key; None for the reward model, which borrows
-    the critic's layout but always loads its own model.path).
+    the critic's layout but always loads its own model.path). ``lora`` (a LoRASpec): adapters on
+    the loaded weights, which are frozen (megatron's local layer spec: see megappo.models.lora),
+    starting from ``lora_adapter_path``'s PEFT adapter when given; a critic's value head trains.
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
     from megappo.convert import load_hf_weights
     from megappo.layout import RankCoords
@@ -76,12 +89,29 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     # the reference has no seed of its own: all its weights are loaded
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
-                          value_head_std=cfg.critic.model.value_head_init_std)
+                          value_head_std=cfg.critic.model.value_head_init_std, use_te=False if lora else None)
     if section is not None and mc.use_dist_checkpointing:
         start_from_checkpoint(chunks, mc, value_head=value_head, section=section)
     else:
         load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
+    if lora is not None:
+        add_adapters(chunks, info.desc, lora, seed, lora_adapter_path, value_head)
     return info, tcfg, chunks
+
+
+def add_adapters(chunks, desc, spec, seed: int, adapter_path: Optional[str], value_head: bool) -> None:
+    """LoRA adapters on a role's loaded model (its base frozen), from a PEFT adapter folder when
+    given; a value head stays trainable (a LoRA critic)."""
+    from megappo.models import apply_lora, load_lora_tensors, read_peft_adapter
+
+    apply_lora(chunks, desc, spec, seed=seed)
+    if adapter_path:
+        load_lora_tensors(chunks, read_peft_adapter(os.path.expanduser(adapter_path))[1])
+    if value_head:
+        for c in chunks:
+            if getattr(c, "post_process", False):
+                for p in c.output_layer.parameters():
+                    p.requires_grad_(True)
 
 
 def start_from_checkpoint(chunks, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool, section: str) -> None:
@@ -154,10 +184,13 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     """(HFModelInfo, Actor) of the policy (actor_rollout_ref.model, .actor)."""
     from megappo.workers import Actor
 
+    from megappo.models import lora_spec_from_config
+
     arr = cfg.actor_rollout_ref
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device,
                                      checkpointing=arr.model.enable_gradient_checkpointing,
-                                     section="actor_rollout_ref.actor.megatron")
+                                     section="actor_rollout_ref.actor.megatron",
+                                     lora=lora_spec_from_config(arr.model), lora_adapter_path=arr.model.lora_adapter_path)
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
     _set_offload(actor, arr.actor.megatron)
@@ -165,14 +198,18 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     return info, actor
 
 
-def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int):
+def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int, actor=None):
     """The frozen reference policy, when a KL term needs it (actor.use_kl_loss or
-    algorithm.use_kl_in_reward); else None."""
-    from megappo.workers import Actor
+    algorithm.use_kl_in_reward); else None. A LoRA ``actor``'s reference is its own base with the
+    adapters switched off (no second copy of the weights)."""
+    from megappo.models import has_lora
+    from megappo.workers import Actor, AdaptersOff
 
     arr = cfg.actor_rollout_ref
     if not (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
         return None
+    if actor is not None and has_lora(actor.chunks):
+        return AdaptersOff(actor)
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device,
                                      section="actor_rollout_ref.ref.megatron")
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
@@ -187,9 +224,12 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
 
     if not critic_enabled(cfg):
         return None
+    from megappo.models import lora_spec_from_config
+
     c = cfg.critic
     _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
-                                  checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron")
+                                  checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron",
+                                  lora=lora_spec_from_config(c.model))
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
            "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES",
-           "end_writer_process"]
+           "end_writer_process", "read_lora_file", "LORA_FILE"]
 
 # Resuming a checkpoint whose per-rank state holds pickled Python objects (what megappo wrote
 # before it saved plain tensors) needs this set to 1 once: such a file can run code on load.
@@ -76,11 +76,49 @@ def _model_keys_of(chunks) -> list[str]:
 
 def _sharded(worker, is_loading: bool) -> dict:
     sd = {k: c.sharded_state_dict() for k, c in zip(_model_keys(worker), worker.chunks)}
+    if _lora(worker):
+        # LoRA: the frozen base is model.path's weights, unchanged by training; a checkpoint holds
+        # what trains (adapters, a critic's value head) and its optimizer state
+        sd = {k: {n: t for n, t in d.items() if not _frozen(t)} for k, d in sd.items()}
     if worker.optimizer is not None:
         model_sd = {k: sd[k] for k in _model_keys(worker)}
         sd["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_META)
         sd["scheduler"] = worker.scheduler.state_dict()
     return sd
+
+
+def _lora(worker) -> bool:
+    from megappo.models import has_lora
+
+    return has_lora(worker.chunks)
+
+
+def _frozen(t) -> bool:
+    """A sharded entry over a frozen weight (a ShardedTensor, or the factory megatron makes of the
+    fused gate/up weight); objects (extra state) count as not frozen."""
+    data = getattr(t, "data", None)
+    return isinstance(data, torch.Tensor) and not data.requires_grad
+
+
+LORA_FILE = "lora.json"   # in a LoRA worker's folder: the adapters' spec and the base they go on
+
+
+def _write_lora_file(worker, path: str, base: Optional[str]) -> None:
+    from megappo.models import lora_spec_of
+
+    spec = lora_spec_of(worker.chunks)
+    with open(os.path.join(path, LORA_FILE), "w") as f:
+        json.dump({"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.modules),
+                   "base_model_name_or_path": base}, f, indent=1)
+
+
+def read_lora_file(path: str) -> Optional[dict]:
+    """A worker checkpoint's LoRA facts (rank, alpha, modules, base model), None: full weights."""
+    f = os.path.join(path, LORA_FILE)
+    if not os.path.isfile(f):
+        return None
+    with open(f) as fh:
+        return json.load(fh)
 
 
 def save_worker(worker, path: str) -> None:
@@ -303,11 +341,34 @@ def _model_problems(request: dict, saved: dict) -> tuple[list[str], list[str]]:
     return problems, missing
 
 
+def _check_lora_matches(worker, path: str) -> None:
+    """A LoRA checkpoint (adapters only) into a LoRA worker of the same spec; full weights into a
+    full-weight worker. Anything else is refused before loading, naming both."""
+    from megappo.models import lora_spec_of
+
+    saved = read_lora_file(path)
+    if not _lora(worker):
+        if saved is not None:
+            raise CheckpointError(f"{path}: holds LoRA adapters (rank {saved['r']}) but this run trains full weights "
+                                  f"(set actor_rollout_ref.model.lora_rank={saved['r']} and lora_alpha, target_modules "
+                                  f"as saved to resume it)")
+        return
+    spec = lora_spec_of(worker.chunks)
+    if saved is None:
+        raise CheckpointError(f"{path}: holds full weights but this run trains LoRA adapters (rank {spec.rank}); "
+                              f"resume it with lora_rank=0, or start the LoRA run fresh")
+    mine = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.modules)}
+    theirs = {k: saved.get(k) for k in mine}
+    if theirs != mine:
+        raise CheckpointError(f"{path}: its adapters are {theirs}, this run's are {mine}")
+
+
 def load_worker(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
+    _check_lora_matches(worker, path)
     if worker.optimizer is not None:
         _ensure_optimizer_state(worker)
     request = _sharded(worker, is_loading=True)
@@ -331,7 +392,7 @@ def load_worker(worker, path: str) -> None:
     for key, chunk in zip(_model_keys(worker), worker.chunks):
         # Not strict: TE's _extra_state entries may be absent; every real tensor must be there.
         res = chunk.load_state_dict(state[key], strict=False)
-        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state") and k in request[key]]
         if missing:
             raise CheckpointError(f"{path}: the checkpoint lacks {len(missing)} model tensor(s) the model has: "
                                   f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -588,6 +649,8 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     try:
         for name, worker in workers.items():
             save_worker(worker, os.path.join(tmp, name))
+            if _rank0() and _lora(worker):
+                _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
         if per_rank_state is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)

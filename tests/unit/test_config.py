@@ -568,22 +568,24 @@ RULES = [
     (GOOD_PATHS + [A + "megatron.use_dist_checkpointing=true", A + "megatron.dist_checkpointing_path={tmp}/ckpt"],
      PATHS, A + "megatron.dist_checkpointing_path", "{tmp}/ckpt is not a megatron-core dist_checkpointing folder "
      "(no metadata.json; expected what megatron's dist_checkpointing.save or verl's converter_hf_to_mcore.py writes)"),
-    # -- LoRA: verl's keys checked (names against the HF modules megappo adapts), then refused until the trainer uses them
+    # -- LoRA: verl's keys checked (names against the HF modules megappo adapts); what it does not run with yet
     (["actor_rollout_ref.model.lora_rank=-1"], {}, "actor_rollout_ref.model.lora_rank", "must be >= 0 (0 turns LoRA off), got -1"),
-    (["actor_rollout_ref.model.lora_rank=8"], {}, "actor_rollout_ref.model.lora_rank",
-     "LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; vLLM "
-     "adapter sync, checkpoints and the planner follow); got 8, use 0 (full fine-tuning)"),
     (["critic.model.lora_rank=-2"], {}, "critic.model.lora_rank", "must be >= 0 (0 turns LoRA off), got -2"),
-    (["critic.model.lora_rank=16"], {}, "critic.model.lora_rank", "LoRA training is not wired into the trainer yet"),
-    (["actor_rollout_ref.model.target_modules=q_proj,qproj"], {}, "actor_rollout_ref.model.target_modules",
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=q_proj,qproj"], {},
+     "actor_rollout_ref.model.target_modules",
      "unknown module name 'qproj'; accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
-    (["actor_rollout_ref.model.exclude_modules=[lm_head, o_proj]"], {}, "actor_rollout_ref.model.exclude_modules",
-     "unknown module name 'lm_head'; accepted: all-linear, q_proj"),
-    (["critic.model.target_modules=[linear_qkv, router]"], {}, "critic.model.target_modules",
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=[lm_head, o_proj]"], {},
+     "actor_rollout_ref.model.exclude_modules", "unknown module name 'lm_head'; accepted: all-linear, q_proj"),
+    (["critic.model.lora_rank=4", "critic.model.target_modules=[linear_qkv, router]"], {}, "critic.model.target_modules",
      "unknown module names 'linear_qkv', 'router'; accepted: all-linear,"),
-    (["actor_rollout_ref.model.lora_adapter_path=/tmp/adapter"], {}, "actor_rollout_ref.model.lora_adapter_path",
-     "LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; vLLM "
-     "adapter sync, checkpoints and the planner follow); got '/tmp/adapter', use null"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.hybrid_engine=false"], {}, "actor_rollout_ref.hybrid_engine",
+     "must be true with LoRA (actor_rollout_ref.model.lora_rank > 0 or lora_adapter_path): the split placement's "
+     "bridge sends full weights and its rollout ranks do not serve adapters yet"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.lora_adapter_path={tmp}/model"], PATHS, "actor_rollout_ref.model.lora_adapter_path",
+     "{tmp}/model: no adapter_config.json (expected a PEFT LoRA adapter folder)"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", "actor_rollout_ref.model.lora_rank=8"], PATHS,
+     "actor_rollout_ref.model.lora_rank", "LoRA on a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 experts) "
+     "is not supported yet (the experts' linears get no adapters); use 0 (full fine-tuning)"),
     # -- multi-turn (refused where it does not run yet; the tool files are checked without importing them)
     ([R + "multi_turn.enable=true", "actor_rollout_ref.hybrid_engine=false"], {}, R + "multi_turn.enable",
      "the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool turns yet"),

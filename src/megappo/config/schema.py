@@ -67,11 +67,11 @@ class ModelConfig:
     path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id org/name[@revision], downloaded into the HF cache (docs/models.md, Hub ids).")
     use_remove_padding: bool = _f(False, "Sequence packing: each micro-batch's sequences end to end in one row (THD), no compute on padding. Needs TransformerEngine's layer spec (GPU); with the local spec (CPU) micro-batches stay padded and a warning says so.")
     enable_gradient_checkpointing: bool = _f(False, "Activation recomputation: true means full recomputation of every layer (megatron.override_transformer_config.recompute_granularity=full, num_layers 1) unless that key sets otherwise. verl's key, read by its FSDP backend (default true there); verl's Megatron backend ignores it and recomputes only as override_transformer_config says, so the default false keeps a verl Megatron command line's memory and speed.")
-    lora_rank: int = _f(0, "LoRA: rank of the adapters (verl's key; 0 = full fine-tuning). Refused above 0 for now: the adapters exist and match PEFT (megappo.models.lora, docs/models.md), the trainer, vLLM adapter sync, checkpoints and the planner do not use them yet.")
+    lora_rank: int = _f(0, "LoRA: rank of the adapters (verl's key; 0 = full fine-tuning). Above 0 the actor's base weights are frozen and only the adapters train (megatron's local layer spec, also on GPU); the reference is the base with adapters off (no second copy); vLLM serves the adapters, synced in memory each step (ranks above 512: merged weights). Dense models only (docs/models.md, LoRA).")
     lora_alpha: float = _f(16, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank (PEFT's scaling).")
     target_modules: list[str] = _f(["all-linear"], "LoRA: HF modules to adapt: all-linear (every linear of the decoder layers, PEFT's meaning) or names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, as a list or one comma-separated string.")
     exclude_modules: Optional[list[str]] = _f(None, "LoRA: HF modules not to adapt (names as target_modules); null: none.")
-    lora_adapter_path: Optional[str] = _f(None, "LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from (verl's key). Refused for now, as lora_rank > 0.")
+    lora_adapter_path: Optional[str] = _f(None, "LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from (verl's key); its own rank, alpha and target modules win over lora_rank, lora_alpha and target_modules.")
 
 
 @dataclass
@@ -248,7 +248,7 @@ class CriticModelConfig:
     value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
     use_remove_padding: bool = _f(False, "As actor_rollout_ref.model.use_remove_padding, for the critic.")
     enable_gradient_checkpointing: bool = _f(False, "As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic.")
-    lora_rank: int = _f(0, "As actor_rollout_ref.model.lora_rank, for the critic (verl's FSDP critic key); refused above 0 for now.")
+    lora_rank: int = _f(0, "As actor_rollout_ref.model.lora_rank, for the critic (verl's FSDP critic key): its own frozen base (critic.model.path) with adapters, and a trained value head.")
     lora_alpha: float = _f(16, "As actor_rollout_ref.model.lora_alpha, for the critic.")
     target_modules: list[str] = _f(["all-linear"], "As actor_rollout_ref.model.target_modules, for the critic.")
 

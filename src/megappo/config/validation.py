@@ -475,10 +475,6 @@ def _start_checkpoints(cfg: PPOConfig, need: Need, W: list[str]) -> None:
                  f"policy starts from model.path's HF weights, not from the actor's checkpoint")
 
 
-LORA_NOT_WIRED = ("LoRA training is not wired into the trainer yet (adapters are built and tested in megappo.models.lora; "
-                  "vLLM adapter sync, checkpoints and the planner follow)")
-
-
 def _lora_name_problem(value, excluded: bool) -> str:
     """'' when every entry of a target_modules / exclude_modules value is a known HF module name
     (or all-linear), else the message naming the bad ones and the accepted ones."""
@@ -494,17 +490,39 @@ def _lora_name_problem(value, excluded: bool) -> str:
 
 
 def _lora(cfg: PPOConfig, need: Need) -> None:
-    """verl's LoRA keys: checked, then refused while the trainer does not use adapters."""
+    """verl's LoRA keys: ranks, module names, and what LoRA does not run with yet."""
     for sect, keys in (("actor_rollout_ref.model.", ("target_modules", "exclude_modules")),
                        ("critic.model.", ("target_modules",))):
         rank = get(cfg, sect + "lora_rank")
-        if need(rank >= 0, sect + "lora_rank", f"must be >= 0 (0 turns LoRA off), got {rank}"):
-            need(rank == 0, sect + "lora_rank", f"{LORA_NOT_WIRED}; got {rank}, use 0 (full fine-tuning)")
-        for key in keys:
-            problem = _lora_name_problem(get(cfg, sect + key), key == "exclude_modules")
-            need(not problem, sect + key, problem)
+        need(rank >= 0, sect + "lora_rank", f"must be >= 0 (0 turns LoRA off), got {rank}")
+        if rank > 0 or (sect.startswith("actor") and cfg.actor_rollout_ref.model.lora_adapter_path):
+            for key in keys:
+                problem = _lora_name_problem(get(cfg, sect + key), key == "exclude_modules")
+                need(not problem, sect + key, problem)
+    arr = cfg.actor_rollout_ref
+    if lora_enabled(cfg):
+        need(arr.hybrid_engine, "actor_rollout_ref.hybrid_engine",
+             "must be true with LoRA (actor_rollout_ref.model.lora_rank > 0 or lora_adapter_path): the split "
+             "placement's bridge sends full weights and its rollout ranks do not serve adapters yet")
+
+
+def lora_enabled(cfg: PPOConfig) -> bool:
+    """Whether the actor trains LoRA adapters (lora_rank > 0, or an adapter to start from)."""
+    m = cfg.actor_rollout_ref.model
+    return m.lora_rank > 0 or bool(m.lora_adapter_path)
+
+
+def _check_lora_adapter(cfg: PPOConfig, need: Need) -> None:
+    """A real start: lora_adapter_path is a PEFT LoRA folder megappo can compute."""
     path = cfg.actor_rollout_ref.model.lora_adapter_path
-    need(path is None, "actor_rollout_ref.model.lora_adapter_path", f"{LORA_NOT_WIRED}; got {path!r}, use null")
+    if not path:
+        return
+    from megappo.models import LoRAError, read_peft_adapter
+
+    try:
+        read_peft_adapter(os.path.expanduser(path))
+    except LoRAError as e:
+        need(False, "actor_rollout_ref.model.lora_adapter_path", str(e))
 
 
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
@@ -514,6 +532,7 @@ def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None
         for f in get(cfg, key):
             need(Path(os.path.expanduser(f)).is_file(), key, f"file not found: {f}")
     _check_model_path(cfg, "actor_rollout_ref.model.path", need)
+    _check_lora_adapter(cfg, need)
     if critic_enabled(cfg) and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         _check_model_path(cfg, "critic.model.path", need)
     if cfg.reward_model.enable and cfg.reward_model.model.path:
@@ -567,6 +586,12 @@ def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
         need(False, k, f"must be 1: {key} ({get(cfg, key)}) is a dense model (no num_experts in its config.json), got {ep}")
     elif experts and ep >= 1:
         need(experts % ep == 0, k, f"must divide the model's num_experts ({experts}, {key}), got {ep}")
+    lora = lora_enabled(cfg) if key == "actor_rollout_ref.model.path" else (
+        key == "critic.model.path" and cfg.critic.model.lora_rank > 0)
+    if experts and lora:
+        lk = "actor_rollout_ref.model.lora_rank" if key.startswith("actor") else "critic.model.lora_rank"
+        need(False, lk, f"LoRA on a Mixture-of-Experts model ({key}: {experts} experts) is not supported yet "
+                        "(the experts' linears get no adapters); use 0 (full fine-tuning)")
 
 
 def critic_enabled(cfg: PPOConfig) -> bool:

@@ -41,7 +41,7 @@ import torch
 
 __all__ = ["LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "parse_lora_modules", "lora_targets", "apply_lora",
            "lora_parameters", "peft_name", "load_lora_tensors", "export_lora_tensors", "set_lora_enabled",
-           "read_peft_adapter", "write_peft_adapter"]
+           "read_peft_adapter", "write_peft_adapter", "has_lora", "lora_spec_of", "merged_hf_tensors"]
 
 # HF module -> (megatron linear under a layer, its part of a fused linear, TP kind)
 LORA_MODULES = {
@@ -236,7 +236,7 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
     if any(getattr(c, "megappo_te_spec", False) for c in chunks):
         raise LoRAError("LoRA needs megatron's local layer spec: TransformerEngine's linear_qkv / linear_fc1 "
                         "include the preceding norm, so their input is not the HF module's")
-    if next(_branches(chunks), None) is not None:
+    if has_lora(chunks):
         raise LoRAError("the model has adapters already (apply_lora runs once per model)")
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for c in chunks:
@@ -252,6 +252,7 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
         by_linear.setdefault(LORA_MODULES[m][0], []).append(m)
     params = []
     for chunk in chunks:
+        chunk.megappo_lora = spec   # a pipeline stage holding no adapted layer still knows the run is LoRA
         config = chunk.config
         if getattr(chunk, "embedding", None) is not None:
             # With the embedding frozen its output needs no gradient, and megatron's recomputation
@@ -290,8 +291,57 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
                         branch.lora_A[m].copy_(full if kind == "column" else _tp_slice(full, 1, tp_rank, tp))
                 linear.lora = branch   # a submodule: its parameters are the linear's lora.lora_A.<m> ...
                 linear.register_forward_hook(_hook(branch))
+                linear.sharded_state_dict = _sharded_state_dict(linear, branch)
                 params += [*branch.lora_A.values(), *branch.lora_B.values()]
     return params
+
+
+def _sharded_state_dict(linear, branch: _LoRABranch):
+    """The linear's ``sharded_state_dict`` with its adapters sharded as they are: megatron's own
+    method labels every tensor it does not know as replicated over TP, which would save one TP
+    rank's B rows (column-parallel) or A columns (row-parallel) as the whole tensor."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    if branch.kind == "column":
+        axes = {"weight": 0, "bias": 0, **{f"lora.lora_B.{m}": 0 for m in branch.modules}}
+    else:
+        axes = {"weight": 1, **{f"lora.lora_A.{m}": 1 for m in branch.modules}}
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(linear.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=linear.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+    return sharded_state_dict
+
+
+def has_lora(chunks) -> bool:
+    """Whether these chunks carry adapters (:func:`apply_lora`)."""
+    return any(getattr(c, "megappo_lora", None) is not None for c in chunks)
+
+
+def lora_spec_of(chunks) -> LoRASpec:
+    """The spec :func:`apply_lora` built these chunks' adapters with."""
+    spec = next((c.megappo_lora for c in chunks if getattr(c, "megappo_lora", None) is not None), None)
+    if spec is None:
+        raise LoRAError("the model has no adapters")
+    return spec
+
+
+def merged_hf_tensors(named, adapters: dict[str, torch.Tensor], spec: LoRASpec):
+    """``named`` HF ``(name, tensor)`` pairs of the base model with each adapted module's weight
+    replaced by ``W + (alpha / r) B A`` (``adapters``: full PEFT-named tensors): the weights a
+    merged model serves. Tensors are yielded in ``named``'s order; unadapted ones unchanged."""
+    for name, t in named:
+        m = _HF_WEIGHT.match(name)
+        if m is not None:
+            stem = f"base_model.model.{name[:-len('.weight')]}"
+            a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")
+            if a is not None and b is not None:
+                t = (t.float() + spec.scaling * (b.float() @ a.float())).to(t.dtype)
+        yield name, t
+
+
+_HF_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def _peft_init_A(rank: int, fan_in: int, seed: int, layer: int, module: str) -> torch.Tensor:

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "RolloutEngineError", "engine_failure", "response_mask_from_ids"]
+__all__ = ["SamplingConfig", "RolloutOutput", "VLLMRollout", "RolloutEngineError", "engine_failure", "response_mask_from_ids",
+           "vllm_lora_rank", "VLLM_MAX_LORA_RANK"]
 
 
 @dataclass
@@ -141,7 +142,7 @@ class VLLMRollout:
                  kv_cache_memory_bytes: Optional[int] = None, enforce_eager: bool = True, seed: int = 0,
                  free_cache_engine: bool = False, eos_token_ids: Optional[Sequence[int]] = None,
                  pad_token_id: Optional[int] = None, load_format: str = "dummy",
-                 external_launcher: Optional[bool] = None):
+                 external_launcher: Optional[bool] = None, lora_rank: int = 0):
         self.device = device
         self.gpu_memory_utilization = gpu_memory_utilization   # named in a memory failure's hint
         self.model_path = os.path.expanduser(model_path)
@@ -168,6 +169,11 @@ class VLLMRollout:
                   skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                   seed=seed, enable_prefix_caching=True)
+        # LoRA: the engine serves the frozen base with one adapter slot; each sync replaces the
+        # adapter (sync_lora). vLLM takes ranks up to 512 (its LoRAConfig.max_lora_rank choices).
+        self.lora_rank, self.lora_request = lora_rank, None
+        if lora_rank:
+            kw.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1)
         if external_launcher:
             kw["distributed_executor_backend"] = "external_launcher"
             if device == "cpu":
@@ -234,7 +240,9 @@ class VLLMRollout:
                 p = base.clone()
                 p.seed = prompt_seed(sampling.seed, i, sampling.n)
                 params.append(p)
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.lora_rank and self.lora_request is None:
+            raise RuntimeError("the rollout engine serves LoRA adapters but has none yet: call sync_lora first")
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         rows, lps, idx, reasons = [], [], [], []
         for i, o in enumerate(outs):
             if len(o.outputs) != sampling.n:
@@ -300,6 +308,35 @@ class VLLMRollout:
         dt = time.perf_counter() - t0
         return {"rollout/sync_s": dt, "rollout/sync_bytes": n_bytes, "rollout/sync_buckets": n_buckets}
 
+    @_named_failures("an adapter sync")
+    def sync_lora(self, tensors: dict, rank: int, alpha: float, modules: Sequence[str], version: int) -> dict:
+        """Serve new LoRA adapters (full PEFT-named tensors, as a PEFT adapter file holds them) from
+        now on, built in memory on the worker (nothing written to disk) and registered under a new
+        id (``version`` + 1): the previous adapter is removed, the base weights stay. Returns timing
+        figures (bytes: the adapter tensors handed over)."""
+        if not self.lora_rank:
+            raise RuntimeError("the rollout engine was started without LoRA (lora_rank=0): it cannot take adapters")
+        if self._sleeping:
+            self.wake_up()   # LoRA engines sleep at level 1: the base weights come back from host memory
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        config = {"peft_type": "LORA", "r": int(rank), "lora_alpha": float(alpha), "target_modules": list(modules),
+                  "bias": "none", "use_rslora": False, "use_dora": False}
+        # copies on the host: vLLM builds its LoRA model on the CPU and folds the scaling into B
+        # in place (LoRALayerWeights.optimize), which would change the caller's tensors
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        lora_id = int(version) + 1
+        with torch.no_grad():
+            self.llm.collective_rpc(_add_adapter_in_memory, args=(lora_id, tensors, config))
+        # The path is never read: the adapter is registered under its id before a request names
+        # it, and vLLM's worker loads from the path only an id it does not hold.
+        self.lora_request = LoRARequest(f"megappo_v{version}", lora_id, "megappo://in-memory")
+        self.llm.reset_prefix_cache()
+        self.weights_version += 1
+        n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"rollout/sync_s": time.perf_counter() - t0, "rollout/sync_bytes": n_bytes, "rollout/sync_buckets": 1}
+
     def _prepare_moe_reload(self, is_moe: bool) -> int:
         """Install the MoE reload hooks on this rank's worker (:func:`_install_moe_reload_hooks`);
         the number of MoE layers found. Raises when the model is MoE and the hooks cannot be
@@ -359,8 +396,10 @@ class VLLMRollout:
                 self._cpu_sleep_logged = True
             return
         if not self._sleeping:
-            # level 2 drops the weights too: they are reloaded from the actor by sync_weights.
-            self.llm.sleep(level=2)
+            # level 2 drops the weights too: they are reloaded from the actor by sync_weights. A
+            # LoRA engine's base never changes: level 1 keeps it in host memory, and a sync moves
+            # only the adapters.
+            self.llm.sleep(level=1 if self.lora_rank else 2)
             self._sleeping = True
 
     @property
@@ -593,6 +632,38 @@ def _job_unique_cpu_shm_names() -> None:
 
     make_group_name.megappo_base = base
     shm.make_group_name = staticmethod(make_group_name)
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vllm.config.lora.MaxLoRARanks
+VLLM_MAX_LORA_RANK = _VLLM_LORA_RANKS[-1]
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The engine's max_lora_rank for adapters of ``rank``: the smallest value vLLM accepts that
+    holds them (its LoRAConfig takes only these); ranks above 512 cannot be served as adapters."""
+    for r in _VLLM_LORA_RANKS:
+        if rank <= r:
+            return r
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}")
+
+
+def _add_adapter_in_memory(worker, lora_id: int, tensors: dict, config: dict) -> None:
+    """On the engine's worker: a LoRAModel from tensors (as vLLM's own loader builds one from an
+    adapter folder, same checks), replacing every adapter the worker holds."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    manager.remove_all_adapters()
+    manager._adapter_manager.add_adapter(lora)
 
 
 def _sampled_logprob(d, token: int) -> float:

@@ -14,6 +14,12 @@ Methods (the tensors' source; the destination is the engine, or the split placem
 - **the split placement's bridge**: the engine is a :class:`megappo.trainer.RemoteRollout`;
   full HF tensors go from global rank 0 to the rollout ranks with the policy version
   (:func:`megappo.distributed.split.send_weights`).
+- **LoRA adapters** (an actor with adapters, :mod:`megappo.models.lora`): the frozen base goes
+  once, by one of the paths above; every push after that sends only the adapters (full
+  PEFT-named tensors, gathered over TP and PP), which the engine serves as a new in-memory
+  adapter (:meth:`megappo.rollout.VLLMRollout.sync_lora`). Where vLLM cannot serve the adapters
+  (ranks above 512, vLLM's largest ``max_lora_rank``) each push sends the full weights with the
+  adapters merged in (``W + alpha/r B A``), by the full gather.
 
 Around every push each role's offloadable state leaves the device: the reference's and the
 critic's before the engine wakes, the actor's weights after they were streamed.
@@ -28,7 +34,7 @@ import torch.distributed as dist
 
 from megappo.convert import ShardSyncPlan, iter_hf_tensors, iter_sync_tensors, plan_shard_sync, plan_shared_gather
 from megappo.layout import RankCoords
-from megappo.models import ModelDesc, uses_te
+from megappo.models import ModelDesc, export_lora_tensors, has_lora, lora_spec_of, merged_hf_tensors, uses_te
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +48,15 @@ class WeightSync:
 
     def __init__(self, actor, desc: ModelDesc, engine, others=(), shard_direct: bool = False, remote: bool = False):
         self.actor, self.desc, self.engine = actor, desc, engine
-        self.others = [w for w in others if w is not None]
+        # (a LoRA actor's reference is the actor itself: nothing of its own to offload)
+        self.others = [w for w in others if w is not None and getattr(w, "actor", None) is not actor]
         self.remote = remote                     # the split placement: the bridge carries full tensors
-        self.shard_direct = shard_direct and not remote
+        self.lora = lora_spec_of(actor.chunks) if has_lora(actor.chunks) else None
+        # adapters to the engine, or (where it cannot serve them) merged full weights every push
+        self.lora_mode = None if self.lora is None else ("adapter" if getattr(engine, "lora_rank", 0) else "merged")
+        self.base_sent = False
+        # the kernel layout of a LoRA engine names its wrapped linears differently; the base goes once anyway
+        self.shard_direct = shard_direct and not remote and self.lora is None
         self.plan: Optional[ShardSyncPlan] = None   # shard-direct's plan, made at the first push
         self.shared = None                       # the shared-memory gather's plan (None: full gather)
         self.planned = False
@@ -57,6 +69,22 @@ class WeightSync:
         self.actor.offload(params=False)
         self.actor.state_offload.ensure(params=True)
         coords = RankCoords.from_megatron()
+        out = {}
+        if self.lora_mode == "adapter" and self.base_sent:
+            out = {"rollout/sync_s": 0.0, "rollout/sync_bytes": 0}
+        else:
+            out = self._push_weights(coords, version)
+            self.base_sent = True
+        if self.lora_mode == "adapter":
+            adapters = export_lora_tensors(self.actor.chunks)
+            s = self.engine.sync_lora(adapters, self.lora.rank, self.lora.alpha, self.lora.modules, version)
+            out = {"rollout/sync_s": out["rollout/sync_s"] + s["rollout/sync_s"],
+                   "rollout/sync_bytes": out["rollout/sync_bytes"] + s["rollout/sync_bytes"]}
+        self.actor.offload()
+        return out
+
+    def _push_weights(self, coords: RankCoords, version: int) -> dict:
+        """The full weights (a LoRA actor's base, or its merged weights) by the path chosen once."""
         if not self.planned:   # decided once, by all ranks together
             self.plan = plan_for_engine(self.engine, self.actor.chunks, self.desc, coords) if self.shard_direct else None
             if self.plan is None:  # CPU ranks of one host: gather through shared memory
@@ -66,9 +94,9 @@ class WeightSync:
             named = iter_sync_tensors(self.actor.chunks, self.desc, coords, self.plan, uses_te(self.actor.chunks))
         else:
             named = iter_hf_tensors(self.actor.chunks, self.desc, coords, shared=self.shared)
-        out = self.engine.sync_weights(named, policy_version=version) if self.remote else self.engine.sync_weights(named)
-        self.actor.offload()
-        return out
+        if self.lora_mode == "merged":
+            named = merged_hf_tensors(named, export_lora_tensors(self.actor.chunks), self.lora)
+        return self.engine.sync_weights(named, policy_version=version) if self.remote else self.engine.sync_weights(named)
 
 
 def agree(plan: Optional[ShardSyncPlan], reason: str, group=None, device=None) -> tuple[Optional[ShardSyncPlan], str]:

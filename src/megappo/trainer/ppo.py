@@ -73,7 +73,7 @@ class PPOTrainer:
         else:
             self.engine = builders.build_engine(cfg)   # first: see megappo.builders
         self.info, self.actor = builders.build_actor(cfg, self.device, self.pad_id, self.last_step)
-        self.ref = builders.build_reference(cfg, self.device, self.pad_id)
+        self.ref = builders.build_reference(cfg, self.device, self.pad_id, self.actor)
         self.critic = builders.build_critic(cfg, self.device, self.pad_id, self.last_step)
         self.reward_model = builders.build_reward_model(cfg, self.device, self.pad_id, self.tokenizer)
         k = cfg.algorithm.kl_ctrl
@@ -155,9 +155,10 @@ class PPOTrainer:
                                                        self.dp, step, self.device))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.generation.collect_in_flight()   # one-step off: the bridge must be free first
-                self.sync.push(step)
+                sync = self.sync.push(step)
         self.step_no = step
         metrics.update(reward_metrics)
+        metrics["rollout/sync_bytes"] = float(sync.get("rollout/sync_bytes", 0))   # per rank: what this rank's engine took
         metrics.update(self.generation.pop_metrics())   # multi-turn: turns and tool calls
         metrics = phases.step_metrics(step, metrics, batch, local, cfg, self.dp_group, t, self.layout.world_size,
                                       self.generation.lag if self.split else None, self.train_data.num_filtered,

@@ -27,7 +27,7 @@ from .moe_stats import RouterStats
 from .offload import StateOffload
 from .packing import Packed, pack
 
-__all__ = ["MegatronWorker", "Actor", "Critic"]
+__all__ = ["MegatronWorker", "Actor", "AdaptersOff", "Critic"]
 
 
 def _scaled(result, scale: float):
@@ -385,6 +385,29 @@ class Actor(MegatronWorker):
         if cov_share:
             metrics["actor/cov_selected_fraction"] = sum(cov_share) / len(cov_share)
         return metrics
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA actor: the actor's own frozen base, its adapters switched
+    off for the pass (no second copy of the weights; megappo.models.lora). Forward-only: it has
+    the reference's interface (log-probs, offload) and nothing to train."""
+
+    def __init__(self, actor: Actor):
+        self.actor = actor
+        self.chunks = actor.chunks
+
+    def compute_log_prob(self, batch: RolloutBatch, **kwargs):
+        from megappo.models import set_lora_enabled
+
+        set_lora_enabled(self.chunks, False)
+        try:
+            return self.actor.compute_log_prob(batch, **kwargs)
+        finally:
+            set_lora_enabled(self.chunks, True)
+
+    def offload(self, *, params: bool = True) -> None:
+        """The weights are the actor's: they leave the device as the actor's offload settings say."""
+        self.actor.offload(params=params)
 
 
 class Critic(MegatronWorker):

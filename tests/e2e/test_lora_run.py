@@ -1,0 +1,142 @@
+"""LoRA in the training loop (TP2 x PP2, gloo, vLLM on every rank): the engine serves the adapters
+synced in memory and its log-probs equal the trainer's after every sync; the reference is the base
+(adapters off: a KL once the adapters moved); a sync moves the adapters only; checkpoints hold only what
+trains and a resumed run continues with the same metrics; where the engine cannot serve adapters
+the merged weights go instead, with the same equality."""
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "distributed"))
+
+VOLATILE = ("timing_s/", "perf/")
+RANK, ALPHA = 8, 16
+
+
+def _run(rank, world, setup, run_dir, steps, extra, merged=False):
+    from megappo.config import load_config, validate
+    from megappo.trainer import PPOTrainer, init_distributed
+
+    if merged:   # an engine that cannot serve adapters (vLLM's ranks stop at 512): merged weights
+        from megappo import builders
+
+        builders.engine_lora_rank = lambda cfg: 0
+    tp_pp = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"] if world == 4 else []
+    cfg = load_config([f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
+                       f"data.val_files=[{setup['test']}]", "trainer.logger=[file]",
+                       f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
+                       "trainer.test_freq=-1", "trainer.val_before_train=false", "data.max_response_length=6",
+                       "actor_rollout_ref.actor.optim.lr=1e-2", "critic.optim.lr=1e-2",
+                       f"actor_rollout_ref.model.lora_rank={RANK}", f"actor_rollout_ref.model.lora_alpha={ALPHA}",
+                       f"critic.model.lora_rank={RANK}", "actor_rollout_ref.actor.use_kl_loss=true",
+                       # values start non-zero: advantages (and updates) from the first step, rewards or not
+                       "critic.model.value_head_init_std=0.5",
+                       f"trainer.n_gpus_per_node={world}"] + tp_pp + list(extra), ["tiny_cpu"])
+    validate(cfg, check_paths=True, world_size=world)
+    init_distributed(cfg)
+    PPOTrainer(cfg).fit()
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _sizes(model_dir):
+    """(bytes of every weight of the HF model, bytes of its rank-RANK all-linear adapters), fp32."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, f, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]   # q k v o gate up down: (out, in)
+    layer = sum(o * i for o, i in shapes) + 2 * h + 2 * c["head_dim"]      # + two norms, q/k norms
+    full = L * layer + c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2) + h
+    adapters = L * sum(RANK * (o + i) for o, i in shapes)
+    return 4 * full, 4 * adapters
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """4 steps of PPO (GAE, a LoRA critic, KL loss against the base), checkpoints at 2 and 4."""
+    from harness import spawn
+
+    from megappo.data.tiny import make_tiny_setup
+
+    root = tmp_path_factory.mktemp("lora")
+    setup = make_tiny_setup(str(root / "tiny"))
+    run = root / "straight"
+    spawn(_run, 4, setup, str(run), 4, ["trainer.save_freq=2"])
+    return setup, run
+
+
+@pytest.mark.e2e
+def test_lora_run_engine_equals_trainer_and_syncs_adapters_only(straight):
+    setup, run = straight
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    full, adapters = _sizes(setup["model"])
+    for r in rows:
+        # vLLM's LoRA kernels over the synced adapters vs megatron's adapted layers, every step
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r
+        # steps after the first send the adapters only (the base went once, before step 1)
+        assert r["rollout/sync_bytes"] == adapters, (r["rollout/sync_bytes"], adapters, full)
+    assert adapters < 0.15 * full
+    # the reference is the base (adapters off): once the adapters moved, a KL to it
+    assert all(r["actor/kl_loss"] > 1e-6 and r["actor/grad_norm"] > 0 for r in rows), rows
+    assert all(r["critic/grad_norm"] > 0 for r in rows)   # the LoRA critic (adapters, value head) trains
+
+
+@pytest.mark.e2e
+def test_lora_checkpoint_holds_only_what_trains_and_resumes_exactly(straight, tmp_path):
+    import shutil
+
+    from harness import spawn
+    from megatron.core import dist_checkpointing
+
+    from megappo.checkpoint import read_lora_file
+
+    setup, run = straight
+    step2 = run / "global_step_2"
+    lora = read_lora_file(str(step2 / "actor"))
+    assert lora["r"] == RANK and lora["lora_alpha"] == ALPHA and len(lora["target_modules"]) == 7
+    assert lora["base_model_name_or_path"] == setup["model"]
+    assert read_lora_file(str(step2 / "critic"))["r"] == RANK
+    for role, trained in (("actor", ("lora_",)), ("critic", ("lora_", "output_layer"))):
+        keys = [k for k in dist_checkpointing.load_tensors_metadata(str(step2 / role)) if not k.startswith("optimizer")]
+        assert keys and all(any(t in k for t in trained) for k in keys), (role, keys[:8])
+        assert any("linear_qkv.lora.lora_B.q_proj" in k for k in keys)
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(step2, resumed / "global_step_2")
+    (resumed / "latest").write_text("2")
+    spawn(_run, 4, setup, str(resumed), 4, ["trainer.save_freq=2", "trainer.resume_mode=auto"])
+    want, got = _rows(run)[2:], _rows(resumed)
+    assert [r["step"] for r in got] == [3, 4]
+    for w, g in zip(want, got):
+        w = {k: v for k, v in w.items() if not k.startswith(VOLATILE)}
+        g = {k: v for k, v in g.items() if not k.startswith(VOLATILE)}
+        assert w.keys() == g.keys()
+        bad = {k: (w[k], g[k]) for k in w if not math.isclose(w[k], g[k], rel_tol=0, abs_tol=1e-6)}
+        assert not bad, f"step {w['step']}: the resumed LoRA run differs: {bad}"
+
+
+@pytest.mark.e2e
+def test_lora_merged_sync_where_the_engine_serves_no_adapters(straight, tmp_path):
+    from harness import spawn
+
+    setup, _ = straight
+    run = tmp_path / "merged"
+    spawn(_run, 2, setup, str(run), 3, ["trainer.save_freq=-1",
+                                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], True)
+    full, _ = _sizes(setup["model"])
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r
+        assert r["rollout/sync_bytes"] == full   # every push: the whole model, adapters merged in
+    assert all(r["actor/kl_loss"] > 1e-6 for r in rows[1:])   # the adapters moved: merged weights are not the base
