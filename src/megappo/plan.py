@@ -532,7 +532,7 @@ def lora_of(model) -> tuple[int, tuple[str, ...]]:
     """(rank, HF modules) of a role's model section (verl's keys); (0, ()): full fine-tuning. A
     ``lora_adapter_path`` folder that exists gives its own rank and modules (as the trainer loads
     it); one not there yet plans with lora_rank and the target_modules keys."""
-    from megappo.models.lora import lora_targets, read_peft_adapter
+    from megappo.models import lora_targets, read_peft_adapter
 
     path = getattr(model, "lora_adapter_path", None)   # the critic's section has none
     if path and os.path.isdir(os.path.expanduser(path)):
@@ -812,7 +812,7 @@ def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Opt
 
 def main(argv: Optional[list[str]] = None) -> int:
     from megappo.config import ConfigError, load_config
-    from megappo.models.lora import LoRAError
+    from megappo.models import LoRAError
 
     ap = argparse.ArgumentParser(prog="python -m megappo.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--config", action="append", default=[], help="YAML file or preset (repeatable)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megappo import plan as P
-from megappo.models.lora import LORA_MODULES
+from megappo.models import LORA_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
