@@ -31,6 +31,11 @@ The arithmetic (bytes per GPU; P = parameters of the stage on this rank, t = TP,
   actor's weights (sync: the actor's weights are back on the device then); nothing while asleep
   (rollout.free_cache_engine), all of it throughout otherwise.
 - a fixed reserve per GPU for the CUDA context, NCCL buffers and allocator slack (RESERVE_GB).
+- LoRA (a role's lora_rank > 0; megappo.models.lora): the base weights stay (frozen: no gradient
+  buffer, no optimizer state), the adapters of each decoder layer are trained (weights, fp32
+  gradients, Adam state as above; a LoRA critic's value head too); the reference is the actor's base
+  with the adapters off, so it holds nothing of its own and its pass runs over the actor's weights.
+  The adapters need megatron's local layer spec, so LoRA is planned with it.
 """
 from __future__ import annotations
 
@@ -58,7 +63,8 @@ MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 GAP_TOLERANCE = 0.10              # the planner against the simulation: flagged beyond this
 SHIPPED_ORG = "Qwen"             # whose published configs model_configs/ holds; other orgs: download
 
-__all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "plan", "plan_from_config", "resident",
+__all__ = ["ModelShape", "PlanOptions", "Plan", "model_shape", "stage_params", "lora_layer_params", "stage_lora_params",
+           "role_params", "lora_of", "lora_lines", "plan", "plan_from_config", "resident",
            "LayoutError", "layout_problems", "simulated_totals", "local_spec_plan", "optimizer_step_bytes", "render_simulation", "simulate_plan", "step_flops", "compute_lines", "find_model_config", "padded_vocab_size", "main"]
 
 
@@ -147,6 +153,23 @@ def _layer_params(m: ModelShape, tp: int) -> int:
     return attn + norms + mlp
 
 
+def lora_layer_params(m: ModelShape, rank: int, modules, tp: int) -> int:
+    """Adapter parameters of one decoder layer on one TP rank (megappo.models.lora's sharding, as
+    megatron shards the linear each HF module lives in): a column-parallel module (q, k, v, gate,
+    up) keeps A (r x in) whole and its 1/t of B's output rows; a row-parallel one (o, down) its 1/t
+    of A's input columns and B (out x r) whole. Per-rank counts differ from PEFT's total only
+    in the replicated halves."""
+    h, q, kv = m.hidden, m.heads * m.head_dim, m.groups * m.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, m.ffn), "up_proj": (h, m.ffn), "down_proj": (m.ffn, h)}   # (in, out)
+    row = ("o_proj", "down_proj")
+    n = 0
+    for mod in modules:
+        fan_in, fan_out = shapes[mod]
+        n += rank * fan_in // tp + rank * fan_out if mod in row else rank * fan_in + rank * fan_out // tp
+    return n
+
+
 def stage_expert_params(m: ModelShape, pp: int, ep: int) -> int:
     """Expert parameters one rank of a stage holds: its E / EP experts of each layer, whole
     (megappo's expert-TP is 1: TP does not divide them)."""
@@ -187,6 +210,16 @@ class RoleOptions:
     recompute_num_layers: int = 1
     train_tokens: int = 0                # micro-batch token budget of the update
     forward_tokens: int = 0              # micro-batch token budget of its forward-only pass
+    # LoRA: adapters of this rank on these HF modules of every decoder layer; 0: full fine-tuning
+    lora_rank: int = 0
+    lora_modules: tuple[str, ...] = ()
+    # the reference of a LoRA actor: the actor's base with its adapters off (no state of its own;
+    # its pass runs over the actor's weights)
+    shares_actor: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0 or bool(self.lora_modules)
 
 
 @dataclass(frozen=True)
@@ -249,21 +282,45 @@ class Plan:
         return self.peak()[0] <= self.budget
 
 
-def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training: bool, experts: int = 0) -> dict[str, int]:
+def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training: bool, experts: int = 0,
+                 trained: Optional[int] = None, trained_experts: Optional[int] = None) -> dict[str, int]:
     """Weights, gradients and optimizer state of a role on one GPU (``n`` parameters, of which
-    ``experts`` are MoE experts); offloaded parts are absent while the role is idle (weights come
-    back for its forward passes, gradients and optimizer state for its update only). The
-    distributed optimizer shards dense state over DP and expert state over the expert-data-
-    parallel ranks (TP x DP / EP: the ranks holding the same experts)."""
+    ``experts`` are MoE experts; ``trained`` of them have gradients and optimizer state, all by
+    default: with LoRA only the adapters, the base is frozen); offloaded parts are absent while
+    the role is idle (weights come back for its forward passes, gradients and optimizer state for
+    its update only). The distributed optimizer shards dense state over DP and expert state over
+    the expert-data-parallel ranks (TP x DP / EP: the ranks holding the same experts)."""
+    trained = n if trained is None else trained
+    trained_experts = experts if trained_experts is None else trained_experts
     kept = resident(r, active, training)
     out = {"weights": o.param_bytes * n if kept["weights"] else 0}
     if r.trains:
-        out["grads"] = 4 * n if kept["grads"] else 0
+        out["grads"] = 4 * trained if kept["grads"] else 0
         b = 12 if o.param_bytes < 4 else 8
         edp = max(1, o.tp * o.dp // o.ep)
-        per = b * (n - experts) // o.dp + b * experts // edp if r.distributed_optimizer else b * n
+        per = (b * (trained - trained_experts) // o.dp + b * trained_experts // edp if r.distributed_optimizer
+               else b * trained)
         out["optimizer"] = per if kept["optimizer"] else 0
     return out
+
+
+def stage_lora_params(m: ModelShape, o: PlanOptions, r: RoleOptions) -> int:
+    """Adapter parameters one rank of a pipeline stage holds: its layers' adapters (every stage
+    has layers / PP of them; the embedding and output layer get none)."""
+    return m.layers // o.pp * lora_layer_params(m, r.lora_rank, r.lora_modules, o.tp) if r.lora else 0
+
+
+def role_params(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, value_head: bool = False) -> tuple[int, int, int, int]:
+    """(weights, of which experts, trained, of which experts) of a role on one rank of a stage.
+    Full fine-tuning trains every weight. LoRA keeps the frozen base and trains the adapters
+    (and a critic's value head, which is new to the model: it cannot be frozen)."""
+    base = stage_params(m, o.tp, o.pp, stage, value_head=value_head, ep=o.ep)
+    experts = stage_expert_params(m, o.pp, o.ep)
+    if not r.lora:
+        return base, experts, base, experts
+    adapters = stage_lora_params(m, o, r)
+    head = m.hidden + 1 if value_head and stage == o.pp - 1 else 0
+    return base + adapters, experts, adapters + head, 0
 
 
 def resident(r: RoleOptions, active: bool, training: bool) -> dict[str, bool]:
@@ -334,6 +391,24 @@ def layer_forward_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
     return o.param_bytes * (5 * width + 4 * m.hidden / sh + gather)
 
 
+def lora_activation_bytes_per_token(m: ModelShape, o: PlanOptions, r: RoleOptions) -> float:
+    """What a layer's adapters keep per token for the backward pass beyond the layer's own tensors
+    (megappo.models.lora's branch, read from its code): the r-wide product A x that B's matmul
+    keeps, for every token in a column-parallel branch (it gathers the sequence) and 1/SP of them
+    in a row-parallel one; under sequence parallelism the column branches' own all-gather of
+    their input, [tokens, hidden] for linear_qkv and for linear_fc1. The branch's input is
+    otherwise a tensor the layer count has (a trained linear keeps it; megatron's frozen linear
+    keeps none, so a layer without adapters on a linear is over-counted by that input).
+    Training passes only: with the adapters off (the reference) nothing changes."""
+    if not r.lora:
+        return 0.0
+    sh = _widths(m, o)[0]
+    row = [x for x in r.lora_modules if x in ("o_proj", "down_proj")]
+    col = [x for x in r.lora_modules if x not in row]
+    gathered = len({"qkv" if x in ("q_proj", "k_proj", "v_proj") else "fc1" for x in col}) if sh > 1 else 0
+    return o.param_bytes * (r.lora_rank * len(col) + r.lora_rank * len(row) / sh + gathered * m.hidden)
+
+
 def _in_flight(o: PlanOptions, stage: int) -> float:
     """Micro-batches (in units of a whole stage's layers) whose activations a stage holds."""
     if o.vpp and o.vpp > 1:
@@ -350,14 +425,16 @@ def _kept(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int
         sh = _widths(m, o)[0]
         return int(o.param_bytes * m.hidden / sh * tokens * -(-layers // max(1, r.recompute_num_layers))
                    * _in_flight(o, stage))
-    return int(layer_activation_bytes_per_token(m, o) * tokens * layers * _in_flight(o, stage))
+    per_layer = layer_activation_bytes_per_token(m, o) + lora_activation_bytes_per_token(m, o, r)
+    return int(per_layer * tokens * layers * _in_flight(o, stage))
 
 
 def _layer_working_set(m: ModelShape, o: PlanOptions, r: RoleOptions, tokens: int) -> int:
     """Beyond the kept activations, the most one layer's backward adds: a recomputed block is
     rebuilt (its layers' saved tensors) and then differentiated (the gradients at the SwiGLU);
     without recomputation only the gradients are new."""
-    rebuilt = max(1, r.recompute_num_layers) * layer_activation_bytes_per_token(m, o) if r.recompute == "full" else 0
+    per_layer = layer_activation_bytes_per_token(m, o) + lora_activation_bytes_per_token(m, o, r)
+    rebuilt = max(1, r.recompute_num_layers) * per_layer if r.recompute == "full" else 0
     return int((rebuilt + layer_backward_bytes_per_token(m, o)) * tokens)
 
 
@@ -405,25 +482,31 @@ def _pass_items(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, token
     return {"activations": kept + (layer if layer >= lg else 0), "logits": lg if lg > layer else 0}
 
 
+def _active(o: PlanOptions, name: str, phase: str) -> bool:
+    """Whether a role's weights are needed in a phase: its own passes, and the actor's in the
+    reference pass when the reference is the actor's base (LoRA)."""
+    return name in ACTIVE[phase] or (name == "actor" and phase == "ref" and o.ref.shares_actor)
+
+
 def plan(m: ModelShape, o: PlanOptions) -> Plan:
     """Bytes per GPU of every pipeline stage in every phase of a step."""
     out = Plan(o, m)
     roles = {"actor": o.actor, "critic": o.critic, "ref": o.ref}
     for s in range(o.pp):
         out.table[s] = {}
-        params = {name: stage_params(m, o.tp, o.pp, s, value_head=name == "critic", ep=o.ep) for name in roles}
-        experts = stage_expert_params(m, o.pp, o.ep)
+        counts = {name: role_params(m, o, r, s, value_head=name == "critic") for name, r in roles.items()}
         for phase in PHASES:
             if any(not roles[name].present for name in ACTIVE[phase]):
                 continue
             row: dict[str, int] = {}
             for name, r in roles.items():
-                if r.present:
-                    for k, v in _state_bytes(params[name], o, r, name in ACTIVE[phase],
-                                             training=phase.startswith("update"), experts=experts).items():
+                if r.present and not r.shares_actor:
+                    n, experts, trained, trained_experts = counts[name]
+                    for k, v in _state_bytes(n, o, r, _active(o, name, phase), training=phase.startswith("update"),
+                                             experts=experts, trained=trained, trained_experts=trained_experts).items():
                         row[f"{name} {k}"] = v
             if phase == "sync":   # the engine is awake and the actor's weights are streamed into it
-                row["actor weights"] = o.param_bytes * params["actor"]
+                row["actor weights"] = o.param_bytes * counts["actor"][0]
             if phase in ("rollout", "sync"):
                 row["vLLM"] = int(o.vllm_fraction * o.gpu_memory_gb * GiB)
             else:
@@ -434,7 +517,8 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
                 tokens = r.train_tokens if training else r.forward_tokens
                 row.update(_pass_items(m, o, r, s, tokens, training, logits=s == o.pp - 1 and name != "critic"))
                 if training:   # the step runs after the pass: only what it holds beyond the pass adds
-                    step = optimizer_step_bytes(params[name], o, r, experts)
+                    _, _, trained, trained_experts = counts[name]
+                    step = optimizer_step_bytes(trained, o, r, trained_experts)
                     row["optimizer step"] = max(0, step - row["activations"] - row["logits"])
             out.table[s][phase] = row
     return out
@@ -443,6 +527,21 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
 # ---------------------------------------------------------------------------------------------
 # From a megappo config
 # ---------------------------------------------------------------------------------------------
+
+def lora_of(model) -> tuple[int, tuple[str, ...]]:
+    """(rank, HF modules) of a role's model section (verl's keys); (0, ()): full fine-tuning. A
+    ``lora_adapter_path`` folder that exists gives its own rank and modules (as the trainer loads
+    it); one not there yet plans with lora_rank and the target_modules keys."""
+    from megappo.models import lora_targets, read_peft_adapter
+
+    path = getattr(model, "lora_adapter_path", None)   # the critic's section has none
+    if path and os.path.isdir(os.path.expanduser(path)):
+        spec = read_peft_adapter(path)[0]
+        return spec.rank, tuple(spec.modules)
+    if model.lora_rank <= 0 and not path:
+        return 0, ()
+    return int(model.lora_rank), tuple(lora_targets(model.target_modules, getattr(model, "exclude_modules", None)))
+
 
 def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptions:
     """PlanOptions of a PPOConfig (the same keys the trainer reads)."""
@@ -468,6 +567,7 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
             train_tokens=train_tokens, forward_tokens=forward_tokens)
 
     uses_ref = bool(act.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    actor_lora, critic_lora = lora_of(arr.model), lora_of(c.model)
     actor = role(m, True, True, budget(act.use_dynamic_bsz, act.ppo_max_token_len_per_gpu, act.ppo_micro_batch_size_per_gpu),
                  budget(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu, ro.log_prob_micro_batch_size_per_gpu),
                  arr.model.enable_gradient_checkpointing)
@@ -478,6 +578,9 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     rf = arr.ref
     ref = role(rf.megatron, uses_ref, False, 0,
                budget(rf.log_prob_use_dynamic_bsz, rf.log_prob_max_token_len_per_gpu, rf.log_prob_micro_batch_size_per_gpu))
+    actor = replace(actor, lora_rank=actor_lora[0], lora_modules=actor_lora[1])
+    critic = replace(critic, lora_rank=critic_lora[0], lora_modules=critic_lora[1])
+    ref = replace(ref, shares_actor=actor.lora)
     samples_per_rank = act.ppo_mini_batch_size * ro.n // max(1, lay.dp)
     micro = (max(1, samples_per_rank * seq // max(1, actor.train_tokens)) if act.use_dynamic_bsz
              else max(1, samples_per_rank // (act.ppo_micro_batch_size_per_gpu or 1)))
@@ -490,7 +593,8 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
         # a GPU run is planned with TransformerEngine's layers (megappo uses them wherever TE
         # imports); the CPU path runs the local spec
-        layer_spec="local" if cfg.trainer.device == "cpu" else "te",
+        # (the adapters need the local spec: TE's linears fuse the norm before them)
+        layer_spec="local" if cfg.trainer.device == "cpu" or actor.lora or critic.lora else "te",
         # split placement: vLLM has GPUs of its own; the plan is of a training GPU
         vllm_fraction=0.0 if lay.split else ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine,
         micro_batches=micro,
@@ -557,6 +661,7 @@ def render(p: Plan) -> str:
              f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if m.experts else "")
              + ", "
              f"{o.gpu_memory_gb:g} GiB per GPU ({RESERVE_GB:g} GiB reserved), vLLM {o.vllm_fraction:g}"]
+    lines += lora_lines(p)
     for s in p.table:
         lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s, ep=o.ep) / 1e9:.2f}B actor parameters per GPU):")
         for phase, row in p.table[s].items():
@@ -566,6 +671,23 @@ def render(p: Plan) -> str:
     verdict = "FITS" if p.fits() else "DOES NOT FIT"
     lines.append(f"  peak {peak / GiB:.1f} GiB (stage {s}, {phase}) of {p.budget / GiB:.1f} GiB usable: {verdict}")
     return "\n".join(lines)
+
+
+def lora_lines(p: Plan) -> list[str]:
+    """The header's LoRA lines: per LoRA role its rank, modules and adapter parameters per GPU
+    (the most loaded stage), and what the reference is; none for full fine-tuning."""
+    o, m = p.options, p.model
+    lines = []
+    for name, r in (("actor", o.actor), ("critic", o.critic)):
+        if r.present and r.lora:
+            n = stage_lora_params(m, o, r)
+            rank = f"r={r.lora_rank}" if r.lora_rank else "r unknown (lora_adapter_path not there yet)"
+            lines.append(f"  LoRA {rank} on {len(r.lora_modules)} modules ({', '.join(r.lora_modules)}) of the {name}: "
+                         f"{n / 1e6:.1f}M adapter parameters per GPU trained, its base frozen (no gradients, "
+                         f"no optimizer state)")
+    if o.ref.present and o.ref.shares_actor:
+        lines.append("  reference: the actor's base with the adapters off (no weights of its own)")
+    return lines
 
 
 def simulated_totals(p: Plan, result) -> dict[str, int]:
@@ -690,6 +812,7 @@ def plan_from_config(cfg, model_config: Optional[str] = None, gpu_memory_gb: Opt
 
 def main(argv: Optional[list[str]] = None) -> int:
     from megappo.config import ConfigError, load_config
+    from megappo.models import LoRAError
 
     ap = argparse.ArgumentParser(prog="python -m megappo.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--config", action="append", default=[], help="YAML file or preset (repeatable)")
@@ -703,7 +826,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(args.overrides, args.config)
         p, path = plan_from_config(cfg, args.model_config)
-    except (ConfigError, FileNotFoundError, KeyError, hub.HubError, LayoutError) as e:
+    except (ConfigError, FileNotFoundError, KeyError, hub.HubError, LayoutError, LoRAError) as e:
         print(f"megappo.plan: {e}", file=sys.stderr)
         return 2
     print(f"model config: {path}")
@@ -717,7 +840,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             labels, overrides, fixed = fix
             print(f"  cheapest fix: {'; '.join(labels)} -> peak {fixed.peak()[0] / GiB:.1f} GiB")
             print("    " + " ".join(overrides))
-    if args.simulate:   # after the plan's verdict, which it does not change
+    if args.simulate and (p.options.actor.lora or p.options.critic.lora):
+        print("  --simulate: the simulation builds no adapters (full fine-tuning), so it is not run for a LoRA plan")
+    elif args.simulate:   # after the plan's verdict, which it does not change
         print(render_simulation(p, simulate_plan(p, json.loads(path.read_text()), args.stage)))
     return 0 if p.fits() else 1
 
