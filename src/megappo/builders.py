@@ -48,7 +48,7 @@ def engine_lora_rank(cfg: PPOConfig) -> int:
     """The rank of the adapters the engine serves: the actor's LoRA rank, or 0 (no adapters:
     full weights, or a rank vLLM cannot serve, synced merged; see megappo.sync)."""
     from megappo.models import lora_spec_from_config
-    from megappo.rollout.engine import VLLM_MAX_LORA_RANK
+    from megappo.rollout import VLLM_MAX_LORA_RANK
 
     spec = lora_spec_from_config(cfg.actor_rollout_ref.model)
     return spec.rank if spec is not None and spec.rank <= VLLM_MAX_LORA_RANK else 0

@@ -845,19 +845,7 @@ def test_parallel_configs_exist():
     assert len(PARALLEL_CONFIGS) >= 4
 
 
-def _refused_for_now(path):
-    """A LoRA preset while validation still refuses lora_rank > 0 (LORA_NOT_WIRED): expected to
-    fail, strictly, so lifting the refusal turns this into a failure until the mark goes."""
-    from megappo.config import validation
-
-    lora = (yaml.safe_load(path.read_text())["actor_rollout_ref"].get("model") or {}).get("lora_rank", 0) > 0
-    if lora and hasattr(validation, "LORA_NOT_WIRED"):
-        return pytest.param(path, marks=pytest.mark.xfail(strict=True, raises=ConfigError,
-                                                          reason="validation refuses LoRA until the trainer builds adapters"))
-    return path
-
-
-@pytest.mark.parametrize("path", [_refused_for_now(p) for p in PARALLEL_CONFIGS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PARALLEL_CONFIGS, ids=lambda p: p.name)
 def test_parallel_config_validates(path):
     raw = yaml.safe_load(path.read_text())
     cfg = load_config([], [str(path)])

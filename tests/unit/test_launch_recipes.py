@@ -75,7 +75,7 @@ PLANNED = ["data.train_batch_size", "data.max_prompt_length", "data.max_response
            "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c"]
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b", "dapo_qwen3_8b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("recipe", ["qwen3_8b", "qwen3_14b", "qwen3_32b", "qwen3_32b_lora", "dapo_qwen3_8b", "qwen3_30b_a3b"])
 def test_dry_run_plans_the_job_the_recipe_yaml_describes(recipe):
     """DRY_RUN=1 prints the memory plan; what the launch script resolves equals what its
     parallel_configs YAML alone gives (so `python -m megappo.plan --config <yaml>` plans the job)."""

@@ -4,14 +4,14 @@ samples), and multi-turn generation with tools over a small engine protocol. Wha
 
 Importing this package does not import vLLM; constructing :class:`VLLMRollout` does.
 """
-from .engine import (RolloutEngineError, RolloutOutput, SamplingConfig, VLLMRollout, engine_failure, layer_buckets,
-                     response_mask_from_ids)
+from .engine import (VLLM_MAX_LORA_RANK, RolloutEngineError, RolloutOutput, SamplingConfig, VLLMRollout, engine_failure,
+                     layer_buckets, response_mask_from_ids, vllm_lora_rank)
 from .multi_turn import (MultiTurnSample, ToolTurnTokens, TurnEngine, VLLMTurns, loop_settings, multi_turn_generate,
                          sample_metrics, tool_runner)
 from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica
 
 __all__ = ["RolloutEngineError", "RolloutOutput", "SamplingConfig", "VLLMRollout", "engine_failure", "layer_buckets",
-           "response_mask_from_ids",
+           "response_mask_from_ids", "VLLM_MAX_LORA_RANK", "vllm_lora_rank",
            "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "loop_settings", "multi_turn_generate", "sample_metrics",
            "tool_runner",
            "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica"]
