@@ -125,18 +125,58 @@ def test_lora_checkpoint_holds_only_what_trains_and_resumes_exactly(straight, tm
         assert not bad, f"step {w['step']}: the resumed LoRA run differs: {bad}"
 
 
+def _converted(run, out, *extra):
+    from megappo.convert.cli import convert_to_hf_main
+
+    assert convert_to_hf_main(["--ckpt", str(run), "--out", str(out), "--quiet", *extra]) == 0
+    return out
+
+
 @pytest.mark.e2e
-def test_lora_merged_sync_where_the_engine_serves_no_adapters(straight, tmp_path):
+def test_lora_checkpoint_converts_to_a_peft_adapter_and_merged_weights(straight, tmp_path):
+    """The converter's PEFT folder loads in PEFT; its merged HF folder computes what PEFT's LoRA
+    model computes (two independent paths: megappo's merge vs PEFT's forward)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megappo.convert.cli import convert_to_hf_main
+
+    setup, run = straight
+    peft_dir = _converted(run, tmp_path / "adapter")
+    merged_dir = _converted(run, tmp_path / "merged", "--merge")
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and cfg["base_model_name_or_path"] == setup["model"]
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(peft_dir)).eval()(ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)(ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
+    assert (peft_logits - base_logits).abs().max() > 1e-3      # the trained adapters are in both
+    # a full-weight checkpoint has no adapters to merge: named, exit code 2
+    assert convert_to_hf_main(["--ckpt", str(run), "--critic", "--out", str(tmp_path / "x"), "--merge"]) == 2
+
+
+@pytest.mark.e2e
+def test_lora_run_from_a_peft_adapter_with_merged_sync(straight, tmp_path):
+    """A run starting from a PEFT adapter (the converter's, of the run's last checkpoint), synced
+    merged (an engine that serves no adapters): the engine equals the trainer, the whole model
+    goes every push, and the KL to the base is there from the first mini-batch (actor lr 0: the
+    loaded adapters are all that separates the policy from its reference)."""
     from harness import spawn
 
-    setup, _ = straight
+    setup, straight_run = straight
+    adapter = _converted(straight_run, tmp_path / "adapter")
     run = tmp_path / "merged"
-    spawn(_run, 2, setup, str(run), 3, ["trainer.save_freq=-1",
-                                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], True)
+    spawn(_run, 2, setup, str(run), 2, ["trainer.save_freq=-1", f"actor_rollout_ref.model.lora_adapter_path={adapter}",
+                                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                        "actor_rollout_ref.actor.optim.lr=0"], True)
     full, _ = _sizes(setup["model"])
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["training/rollout_probs_diff_max"] < 1e-4, r
         assert r["rollout/sync_bytes"] == full   # every push: the whole model, adapters merged in
-    assert all(r["actor/kl_loss"] > 1e-6 for r in rows[1:])   # the adapters moved: merged weights are not the base
+        assert r["actor/kl_loss"] > 1e-4 and r["actor/ppo_kl"] == pytest.approx(0, abs=1e-7)

@@ -56,11 +56,33 @@ def convert_to_hf_main(argv: Optional[list] = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--critic", action="store_true",
                    help="export the critic (value model) as *ForTokenClassification with one label")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA checkpoint: write the base model with the adapters merged in (default: a PEFT adapter "
+                        "folder, adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--base", default=None,
+                   help="a LoRA checkpoint's base model folder or hub id (default: the one its lora.json names)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
 
     def body() -> int:
+        from megappo.checkpoint import read_lora_file
+
         from .hf_export import export_hf, human
+        from .lora_export import export_lora
+        from .megatron_ckpt import resolve_checkpoint
+
+        if not a.critic and read_lora_file(resolve_checkpoint(a.ckpt)) is not None:
+            r = export_lora(a.ckpt, a.out, merge=a.merge, base=_local(a.base), dtype=a.dtype)
+            what = (f"the base with rank-{r['rank']} adapters merged in, {human(r['bytes'])} in {len(r['files'])} "
+                    f"safetensors file(s)" if r["merged"] else
+                    f"a PEFT adapter (rank {r['rank']}, {r['adapters']} modules, {human(r['bytes'])})")
+            print(f"wrote {r['out']}: {what} (from {r['ckpt']})")
+            return 0
+        if a.merge or a.base:
+            from .megatron_ckpt import ConvertError
+
+            raise ConvertError(f"{a.ckpt}: --merge/--base are for LoRA checkpoints (with lora.json); this one holds "
+                               f"{'a critic' if a.critic else 'full weights'}")
 
         r = export_hf(a.ckpt, a.out, hf_config=_local(a.hf_config, weights=False), dtype=a.dtype,
                       max_shard_size=a.max_shard_size, critic=a.critic, progress=not a.quiet)
