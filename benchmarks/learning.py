@@ -39,6 +39,9 @@ Methods (see MEGAPPO and TRL_ARGS):
   dapo       GRPO + clip-higher (0.28) + dynamic sampling (score must vary within a group); its
              samples count every generated sample, kept or filtered
   grpo_is    GRPO with rollout correction (token-level truncated importance weights, threshold 2)
+  gae_lora, gae_lora_attn, grpo_lora   LoRA rank 8 (all-linear; attention only), lr 3e-3: see
+             benchmarks/lora.py, which runs them on a base whose output can be peaked (a random-
+             init head caps a frozen-head policy near uniform)
 
 Each megappo run is one process (`python -m megappo.train`, world size 1); --jobs of them run at
 once. By default a run stops once it reaches its task's target (a 5-step running mean of the
@@ -115,7 +118,15 @@ MEGAPPO["gae_centred_fit"] = MEGAPPO["gae_centred"] + ["critic.ppo_epochs=8", "c
 # the critic's within-group correction weighted by a least-squares control-variate fit (0 = GRPO)
 MEGAPPO["gae_cv"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_cv", "algorithm.lam=1.0"]
 MEGAPPO["gae_cv_fit"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
-SAMPLES_PER_STEP = {"gae": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+# LoRA (rank 8, alpha 16) on gae's settings: the actor's base frozen, adapters at 3x the full
+# fine-tuning lr (benchmarks/lora.py: on echo 3e-3 reached the target first of 1e-3 and 3e-3);
+# all-linear, or attention only (q, k, v, o)
+_LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+         "actor_rollout_ref.actor.optim.lr=3e-3"]
+MEGAPPO["gae_lora"] = MEGAPPO["gae"] + _LORA
+MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
+MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],

@@ -3,7 +3,8 @@ under another TP/PP) and the trainer's own state, published atomically.
 
 Files under ``root``::
 
-    global_step_N/actor/         dist_checkpointing folder (+ huggingface/: source config, tokenizer)
+    global_step_N/actor/         dist_checkpointing folder (+ huggingface/: source config, tokenizer;
+                                 a LoRA worker: lora.json, and only what trains is saved)
     global_step_N/critic/        (when the run has a critic)
     global_step_N/rank_state/    rank_<r>.pt: each rank's RNG states
     global_step_N/trainer_state.json
