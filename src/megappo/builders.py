@@ -25,12 +25,6 @@ def build_engine(cfg: PPOConfig):
 
     arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     ro = arr.rollout
-    if ro.multi_turn.enable:    # validation refuses these too; a caller that skipped validation must not get single turns
-        from megappo.config import multi_turn_unsupported
-
-        problem = multi_turn_unsupported(cfg)
-        if problem:
-            raise NotImplementedError(f"actor_rollout_ref.rollout.multi_turn.enable=true: {problem}")
     engines = {"vllm": VLLMRollout}  # rollout.name (validated: vllm only today)
     try:
         return engines[ro.name](

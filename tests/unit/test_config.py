@@ -586,9 +586,7 @@ RULES = [
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", "actor_rollout_ref.model.lora_rank=8"], PATHS,
      "actor_rollout_ref.model.lora_rank", "LoRA on a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 experts) "
      "is not supported yet (the experts' linears get no adapters); use 0 (full fine-tuning)"),
-    # -- multi-turn (refused where it does not run yet; the tool files are checked without importing them)
-    ([R + "multi_turn.enable=true", "actor_rollout_ref.hybrid_engine=false"], {}, R + "multi_turn.enable",
-     "the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool turns yet"),
+    # -- multi-turn (the tool files are checked without importing them)
     ([R + "multi_turn.enable=true", "data.return_raw_chat=false"], {}, "data.return_raw_chat",
      "must be true with multi_turn.enable"),
     ([R + "multi_turn.tool_config_path={tmp}/nope.yaml"], {}, R + "multi_turn.tool_config_path",

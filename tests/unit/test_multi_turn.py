@@ -177,35 +177,23 @@ def test_runner_and_loop_from_the_multi_turn_settings(tmp_path):
     assert loop_settings(mt) == dict(parse=parse_hermes, max_assistant_turns=4, max_user_turns=None)
 
 
-@pytest.mark.parametrize("override, reason", [
-    ("actor_rollout_ref.hybrid_engine=false", "the split placement"),
-])
-def test_the_combinations_multi_turn_does_not_run_are_refused_even_without_validation(override, reason):
-    from megappo import builders
-    from megappo.config import ConfigError, load_config, validate
-
-    cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", override], ["tiny_cpu"])
-    with pytest.raises(NotImplementedError, match="multi_turn.enable=true: .*" + reason):
-        builders.build_engine(cfg)
-    with pytest.raises(ConfigError, match=reason):
-        validate(cfg, check_paths=False)
-
-
-def test_multi_turn_validates_on_the_colocated_engine():
-    from megappo.config import load_config, multi_turn_unsupported, validate
+def test_multi_turn_validates_with_every_placement_and_mode():
+    from megappo.config import load_config, validate
 
     for packing in ("false", "true"):   # packing reads the tool turns' lengths (tests/unit/test_packing.py)
         cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true",
                            f"actor_rollout_ref.model.use_remove_padding={packing}"], ["tiny_cpu"])
         validate(cfg, check_paths=False)
-        assert multi_turn_unsupported(cfg) is None
     # DAPO's rounds run multi-turn rollouts (tests/e2e/test_multi_turn_run.py); a reward model scores
     # the whole conversation at its last model token (tests/distributed/test_reward_model.py)
+    # the split placement's rollout ranks run the turn loop, synchronously or one step off
+    # (tests/e2e/test_split_run.py)
+    split = ["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1"]
     for extra in (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
-                   "data.gen_batch_size=16"], ["reward_model.enable=true", "reward_model.model.path=/rm"]):
+                   "data.gen_batch_size=16"], ["reward_model.enable=true", "reward_model.model.path=/rm"],
+                  split, split + ["trainer.async_mode=one_step_off"]):
         cfg = load_config(["actor_rollout_ref.rollout.multi_turn.enable=true", *extra], ["tiny_cpu"])
         validate(cfg, check_paths=False)
-        assert multi_turn_unsupported(cfg) is None
 
 
 def test_num_turns_counts_as_verls():

@@ -23,7 +23,7 @@ from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, Algorithm
                                    MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, PPOConfig, Ref, RefConfig,
                                    RefMegatronConfig, RewardModelConfig, RewardModelModelConfig, RolloutConfig,
                                    TrainerConfig, ValKwargsConfig, all_keys, get)
-from megappo.config.validation import critic_enabled, multi_turn_unsupported, validate
+from megappo.config.validation import critic_enabled, validate
 
 __all__ = [
     "ConfigError",
@@ -31,7 +31,6 @@ __all__ = [
     "PPOConfig",
     "load_config",
     "validate",
-    "multi_turn_unsupported",
     "apply_override",
     "apply_mapping",
     "to_dict",

@@ -369,24 +369,11 @@ def _multi_turn(cfg: PPOConfig, need: Need) -> None:
     if mt.enable:
         need(cfg.data.return_raw_chat, "data.return_raw_chat", "must be true with multi_turn.enable: multi-turn "
              "rollouts apply the chat template to the raw messages with the tool schemas")
-        problem = multi_turn_unsupported(cfg)
-        need(problem is None, k + "enable", problem or "")
     for name in ("tool_config_path", "function_tool_path"):
         path = getattr(mt, name)
         if path:
             problem = _tool_file_problem(name, path)
             need(problem is None, k + name, problem or "")
-
-
-def multi_turn_unsupported(cfg: PPOConfig) -> Optional[str]:
-    """Why multi_turn.enable cannot run with these settings (None: it can). Multi-turn runs on the
-    colocated engine, synchronously (with DAPO's dynamic sampling and a reward model too); the
-    split placement's rollout ranks serve single turns only."""
-    a = cfg.actor_rollout_ref
-    if not a.hybrid_engine:
-        return ("the split placement (actor_rollout_ref.hybrid_engine=false; also one-step off) is not run with tool "
-                "turns yet: the rollout ranks' generation serves single turns only; use the colocated engine")
-    return None
 
 
 def _tool_file_problem(name: str, path: str) -> Optional[str]:

@@ -201,8 +201,9 @@ def send_weights(groups: SplitGroups, named_tensors: Iterable, version: int, buc
 
     t0 = time.perf_counter()
     _bridge_bcast(groups, _control(groups, _W_START, version))
-    n_buckets = n_bytes = 0
+    n_buckets = n_bytes = n_tensor_bytes = 0
     for bucket in layer_buckets((_pair(item) for item in named_tensors), bucket_bytes):
+        n_tensor_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         meta, payload = _pack(bucket, groups.device)
         _bridge_bcast(groups, _control(groups, _W_BUCKET, meta, payload.numel() - meta))
         _bridge_bcast(groups, payload)
@@ -210,8 +211,9 @@ def send_weights(groups: SplitGroups, named_tensors: Iterable, version: int, buc
         n_bytes += payload.numel() - meta
     _bridge_bcast(groups, _control(groups, _W_END, n_buckets, n_bytes))
     groups.weights_version_sent = version
+    # rollout/sync_bytes: the tensors' bytes, as a colocated engine reports what it loaded
     return {"split/weights_send_s": time.perf_counter() - t0, "split/weights_bytes": n_bytes,
-            "split/weights_buckets": n_buckets, "split/weights_version": version}
+            "split/weights_buckets": n_buckets, "split/weights_version": version, "rollout/sync_bytes": n_tensor_bytes}
 
 
 def receive_weights(groups: SplitGroups, expected_version: Optional[int] = None

@@ -1,8 +1,9 @@
 """This step's samples, in one of three modes: generated now on the colocated engine (or the split
 placement's rollout ranks), taken from the generation left in flight during the last step
 (one-step off-policy), or DAPO's dynamic sampling (rounds of generate -> score -> keep the groups
-whose scores vary). Every rank holds the whole (global) batch. With multi_turn.enable the
-colocated engine generates conversations with tool turns (:mod:`.turns`).
+whose scores vary). Every rank holds the whole (global) batch. With multi_turn.enable the engine
+(colocated, or the split placement's rollout ranks) generates conversations with tool turns
+(:mod:`.turns`).
 
 Seeds: each prompt samples from its own seed, a function of (data seed, step, salt, place in the
 batch) (:mod:`megappo.seeds`): the samples do not depend on how prompts are split over replicas,
@@ -70,7 +71,11 @@ class Generation:
         if self.inflight is not None:   # generated during the last step, with the weights before it
             indices, out, version = self.inflight
             self.inflight = None
-            batch, items = self.assemble([self.train_data[i] for i in indices], out)
+            items = [self.train_data[i] for i in indices]
+            if self.turns is not None:   # (samples, prompt indices, turn metrics) of conversations
+                batch, items, self.turn_metrics, self.turn_samples = self.turns.assemble(items, out)
+            else:
+                batch, items = self.assemble(items, out)
             self.lag = step - version
         else:
             items = [self.train_data[i] for i in self.sampler.next_batch()]
@@ -91,8 +96,15 @@ class Generation:
         the weights they hold, the predecessor of the policy being trained now), seeded as that
         step would seed them."""
         self.next_indices = self.sampler.next_batch()
-        self.engine.request([self.train_data[i].prompt_ids for i in self.next_indices],
-                            self.sampling(copy.copy(sampling), seeds.TRAIN, 0, step))
+        items = [self.train_data[i] for i in self.next_indices]
+        seeded = self.sampling(copy.copy(sampling), seeds.TRAIN, 0, step)
+        if self.turns is not None:
+            from megappo.tools import tools_kwargs_of
+
+            self.engine.request_turns([it.prompt_ids for it in items],
+                                      [tools_kwargs_of(it.extra_info, it.origin) for it in items], seeded)
+        else:
+            self.engine.request([it.prompt_ids for it in items], seeded)
 
     def collect_in_flight(self) -> None:
         """Receive the generation in flight, if any: the bridge must be free before new weights go

@@ -6,8 +6,10 @@ ranks): every request is a command the rollout ranks execute in order. GENERATE 
 prompts and sampling settings; each replica generates its slice of the prompts (the seed of every
 prompt is a function of its place in the batch, as in the colocated rollout: the samples do not
 depend on the number of replicas), the outputs are gathered over the rollout group and the first
-rollout rank sends them back. WEIGHTS is followed by one versioned weight transfer. STOP ends the
-service. The training side may leave one generation in flight (one-step off-policy): it must be
+rollout rank sends them back. GENERATE_TURNS is the same for multi-turn rollouts with tools: the
+rollout ranks run the turn loop and the tools (:meth:`MultiTurnRollout.generate`) and send back
+the samples, their prompt indices and the turn metrics. WEIGHTS is followed by one versioned
+weight transfer. STOP ends the service. The training side may leave one generation in flight (one-step off-policy): it must be
 collected before the next command, since the bridge's messages are matched in order.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from megappo.rollout import RolloutOutput, SamplingConfig
 
 __all__ = ["RemoteRollout", "serve"]
 
-GENERATE, WEIGHTS, STOP, RESET_PREFIX_CACHE = 1, 2, 3, 4
+GENERATE, WEIGHTS, STOP, RESET_PREFIX_CACHE, GENERATE_TURNS = 1, 2, 3, 4, 5
 
 
 class RemoteRollout:
@@ -61,6 +63,21 @@ class RemoteRollout:
                                                  "sampling": copy.copy(sampling)})
         self.pending = self.policy_version
 
+    def request_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig) -> None:
+        """As :meth:`request`, for conversations with tool turns (``tools_kwargs``: each prompt's
+        tools' create kwargs); collect() returns (samples, their prompt indices, turn metrics)."""
+        self._idle("request a generation")
+        if self.policy_version is None:
+            raise RuntimeError("RemoteRollout: no weights were sent to the rollout ranks yet")
+        if self.groups.is_sender:
+            split.send_command(self.groups, GENERATE_TURNS, {"prompts": [list(map(int, p)) for p in prompts],
+                                                             "tools_kwargs": tools_kwargs, "sampling": copy.copy(sampling)})
+        self.pending = self.policy_version
+
+    def generate_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig) -> tuple:
+        self.request_turns(prompts, tools_kwargs, sampling)
+        return self.collect()[0]
+
     def collect(self) -> tuple[RolloutOutput, int]:
         """(outputs of the requested generation in prompt order, the policy version that made them)."""
         if self.pending is None:
@@ -97,18 +114,35 @@ def serve(cfg, groups) -> None:
 
     engine = builders.build_engine(cfg)
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    turns = _turns(cfg, engine, groups)
     op = None
     while op != STOP:
         with watchdog.phase("rollout_wait"):   # a silent rollout rank is named with what it was doing
             op, obj = split.receive_command(groups)
         with watchdog.phase(_PHASES.get(op, "rollout_command")):
-            _serve_one(op, obj, engine, groups, rtp)
+            _serve_one(op, obj, engine, groups, rtp, turns)
 
 
-_PHASES = {WEIGHTS: "rollout_weights", GENERATE: "rollout_generate"}
+def _turns(cfg, engine, groups):
+    """multi_turn.enable: the turn loop over this rank's engine, with the tools built here (they
+    run where the engine is); else None."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from .turns import MultiTurnRollout, tool_runner_of
+
+    runner = tool_runner_of(cfg)
+    if runner is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.actor_rollout_ref.model.path))
+    return MultiTurnRollout(cfg, engine, tokenizer, runner, engine.pad_token_id, groups.role_rank, groups.role_world)
 
 
-def _serve_one(op, obj, engine, groups, rtp) -> None:
+_PHASES = {WEIGHTS: "rollout_weights", GENERATE: "rollout_generate", GENERATE_TURNS: "rollout_generate"}
+
+
+def _serve_one(op, obj, engine, groups, rtp, turns=None) -> None:
     from megappo.rollout import generate_replicated
 
     if op == WEIGHTS:
@@ -116,6 +150,13 @@ def _serve_one(op, obj, engine, groups, rtp) -> None:
         engine.sync_weights(p for b in buckets for p in b)
     elif op == GENERATE:
         out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
+        if groups.bridge_rank == 1:
+            split.send_object(groups, out)
+    elif op == GENERATE_TURNS:
+        if turns is None:
+            raise RuntimeError(f"rollout rank {groups.global_rank}: asked for tool turns, but multi_turn.enable is "
+                               f"false in its configuration")
+        out = turns.generate(obj["prompts"], obj["tools_kwargs"], obj["sampling"], groups.role_rank, groups.role_world)
         if groups.bridge_rank == 1:
             split.send_object(groups, out)
     elif op == RESET_PREFIX_CACHE:

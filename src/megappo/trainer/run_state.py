@@ -46,20 +46,33 @@ def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, in
 
 
 def _plain_inflight(inflight) -> Optional[dict]:
-    """The one-step-off generation in flight, (prompt indices, RolloutOutput, policy version),
-    as tensors and plain types (a checkpoint is read with torch.load(weights_only=True))."""
+    """The one-step-off generation in flight, (prompt indices, RolloutOutput or multi-turn
+    (samples, prompt indices, turn metrics), policy version), as tensors and plain types (a
+    checkpoint is read with torch.load(weights_only=True))."""
     if inflight is None:
         return None
     indices, out, version = inflight
-    return {"indices": [int(i) for i in indices], "output": dataclasses.asdict(out), "version": int(version)}
+    plain = {"indices": [int(i) for i in indices], "version": int(version)}
+    if isinstance(out, tuple):   # conversations with tool turns
+        samples, index, metrics = out
+        plain["turns"] = {"samples": [dataclasses.asdict(x) for x in samples], "index": [int(i) for i in index],
+                          "metrics": {k: float(v) for k, v in metrics.items()}}
+    else:
+        plain["output"] = dataclasses.asdict(out)
+    return plain
 
 
 def _inflight_from(plain: Optional[dict]):
-    from megappo.rollout import RolloutOutput
+    from megappo.rollout import MultiTurnSample, RolloutOutput
 
     if plain is None:
         return None
-    return plain["indices"], RolloutOutput(**plain["output"]), plain["version"]
+    if "turns" in plain:
+        t = plain["turns"]
+        out = ([MultiTurnSample(**x) for x in t["samples"]], t["index"], t["metrics"])
+    else:
+        out = RolloutOutput(**plain["output"])
+    return plain["indices"], out, plain["version"]
 
 
 @watchdog.in_phase("load_checkpoint", watchdog.SLOW)

@@ -75,13 +75,18 @@ def replica_tools(runner, rank: int, world: int, rollout_tp: int):
 
 class MultiTurnRollout:
     """``rollout(items, sampling, rank, world)`` -> (batch, one item per sample, metrics, the
-    samples in batch order)."""
+    samples in batch order). The conversations are generated here (:meth:`generate`, on the
+    colocated engine), or, for the split placement, by the rollout ranks (``engine`` is a
+    :class:`~megappo.trainer.remote.RemoteRollout`; they run :meth:`generate` on theirs)."""
 
     def __init__(self, cfg, engine, tokenizer, runner, pad_id: int, rank: int = 0, world: int = 1):
         from megappo.rollout import ToolTurnTokens, loop_settings
 
-        rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.cfg, self.engine, self.pad_id = cfg, engine, pad_id
+        self.remote = hasattr(engine, "generate_turns")
+        if self.remote:   # the rollout ranks hold the engine and run the tools
+            return
+        rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.runner = replica_tools(runner, rank, world, rtp)
         self.loop = loop_settings(cfg.actor_rollout_ref.rollout.multi_turn)
         self.tool_turn = ToolTurnTokens(tokenizer, engine.eos_token_ids)
@@ -89,20 +94,37 @@ class MultiTurnRollout:
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
     def rollout(self, items: list, sampling, rank: int, world: int) -> tuple[RolloutBatch, list, dict, list]:
-        from megappo.rollout import VLLMTurns, multi_turn_generate, prompt_slice, rollout_replica
         from megappo.tools import tools_kwargs_of
+
+        prompts = [it.prompt_ids for it in items]
+        kwargs = [tools_kwargs_of(it.extra_info, it.origin) for it in items]
+        if self.remote:
+            out = self.engine.generate_turns(prompts, kwargs, sampling)
+        else:
+            out = self.generate(prompts, kwargs, sampling, rank, world)
+        return self.assemble(items, out)
+
+    def assemble(self, items: list, out: tuple) -> tuple[RolloutBatch, list, dict, list]:
+        """The batch, items and metrics of :meth:`generate`'s ``(samples, index, metrics)``."""
+        samples, index, metrics = out
+        return self.batch(samples, items, index), [with_turns(items[i], s) for i, s in zip(index, samples)], metrics, samples
+
+    def generate(self, prompts: list, tools_kwargs: list, sampling, rank: int, world: int) -> tuple[list, list, dict]:
+        """Every sample's conversation, each replica its prompts' (``rank``, ``world``: of the
+        engine-holding ranks, whose default group this gathers over). Returns (samples in prompt
+        order, each sample's prompt index, the merged turn metrics) on every rank."""
+        from megappo.rollout import VLLMTurns, multi_turn_generate, prompt_slice, rollout_replica
 
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         replica, n_rep = rollout_replica(rank, world, rtp)
-        sl = prompt_slice(len(items), replica, n_rep)
+        sl = prompt_slice(len(prompts), replica, n_rep)
         n = sampling.n
         mine = [(i, c) for i in range(sl.start, sl.stop) for c in range(n)]
         seeds = None if sampling.seed is None else [prompt_seed(sampling.seed, i, n) + c for i, c in mine]
         samples, metrics = multi_turn_generate(
-            VLLMTurns(self.engine, sampling), [items[i].prompt_ids for i, _ in mine], runner=self.runner,
+            VLLMTurns(self.engine, sampling), [prompts[i] for i, _ in mine], runner=self.runner,
             decode=self.decode, tool_turn=self.tool_turn, max_response_length=sampling.max_tokens,
-            tools_kwargs=[tools_kwargs_of(items[i].extra_info, items[i].origin) for i, _ in mine], seeds=seeds,
-            **self.loop)
+            tools_kwargs=[tools_kwargs[i] for i, _ in mine], seeds=seeds, **self.loop)
         parts = [(sl.start, samples, metrics)]
         if world > 1:
             parts = [None] * world
@@ -110,8 +132,7 @@ class MultiTurnRollout:
             parts = sorted((parts[r * rtp] for r in range(n_rep)), key=lambda p: p[0])   # one per replica, prompt order
         samples = [s for _, ss, _ in parts for s in ss]
         index = [i for start, ss, _ in parts for i in range(start, start + len(ss) // n) for _ in range(n)]
-        return (self.batch(samples, items, index), [with_turns(items[i], s) for i, s in zip(index, samples)],
-                merge_turn_metrics([m for _, _, m in parts], samples), samples)
+        return samples, index, merge_turn_metrics([m for _, _, m in parts], samples)
 
     def batch(self, samples: list, items: list, index: list[int]) -> RolloutBatch:
         """The samples as a RolloutBatch: prompt order, tool turns in the sequence only."""
