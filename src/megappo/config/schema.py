@@ -191,7 +191,7 @@ class ValKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     """verl's multi-turn rollout with tools; the keys and defaults are verl's (rollout.yaml)."""
-    enable: bool = _f(False, "Multi-turn rollouts with tool calls (megappo.tools): the colocated engine generates conversations whose tool turns are in the sequence and out of the loss. Runs with DAPO's dynamic sampling and a reward model (it scores the whole conversation at the last model token); refused with the split placement (the reason is given).")
+    enable: bool = _f(False, "Multi-turn rollouts with tool calls (megappo.tools): the engine generates conversations whose tool turns are in the sequence and out of the loss. Runs with DAPO's dynamic sampling, a reward model (it scores the whole conversation at the last model token) and the split placement (its rollout ranks run the turn loop and the tools; synchronous or one step off).")
     max_assistant_turns: Optional[int] = _f(None, "Most assistant (model) turns per sample; null: no limit but the response length.")
     max_user_turns: Optional[int] = _f(None, "Most user/tool turns per sample; null: no limit but the response length.")
     max_parallel_calls: int = _f(1, "Tool calls run per sample and turn; the model's further calls in that turn are answered with an error (verl drops them unanswered).")
