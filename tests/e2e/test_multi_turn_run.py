@@ -152,8 +152,10 @@ def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
 def _run_tp2_pp2(rank, world, setup, tools_yaml, run_dir, out):
     import torch
 
-    cfg, trainer = _trainer(world, setup, tools_yaml, run_dir, TP2_PP2)
+    cfg, trainer = _trainer(world, setup, tools_yaml, run_dir,
+                            TP2_PP2 + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     assert (trainer.actor.tp, trainer.actor.pp) == (2, 2)
+    assert trainer.engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     report = _first_batch(cfg, trainer)
     Path(f"{out}.{rank}").write_text(json.dumps(report))
     torch.distributed.barrier()
@@ -251,9 +253,11 @@ def _check_dapo_step(d, delta):
 
 @pytest.mark.e2e
 def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
-    """The same batch check with the actor at TP2 x PP2 on 4 processes (GRPO, no critic; no
-    training): megatron's log-probs, gathered across tensor-parallel vocabulary shards and sent
-    from the last pipeline stage to every rank, equal the engine's on every model token."""
+    """The same batch check with the actor at TP2 x PP2 on 4 processes and vLLM at TP2 (two
+    replicas of two ranks; each replica's first rank runs the tools for both) (GRPO, no critic;
+    no training): megatron's log-probs, gathered across tensor-parallel vocabulary shards and sent
+    from the last pipeline stage to every rank, equal the engine's on every model token, and
+    every rank holds the same batch."""
     from harness import spawn
 
     from megappo.data.tiny import make_tiny_setup
@@ -266,3 +270,4 @@ def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
     reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(4)]
     for r in reports:
         _check_first_batch(r)
+        assert {k: v for k, v in r.items() if k != "lp_diff"} == {k: v for k, v in reports[0].items() if k != "lp_diff"}
