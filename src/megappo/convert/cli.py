@@ -65,13 +65,10 @@ def convert_to_hf_main(argv: Optional[list] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
-        from megappo.checkpoint import read_lora_file
-
         from .hf_export import export_hf, human
         from .lora_export import export_lora
-        from .megatron_ckpt import resolve_checkpoint
 
-        if not a.critic and read_lora_file(resolve_checkpoint(a.ckpt)) is not None:
+        if not a.critic and _lora_checkpoint(a.ckpt):
             r = export_lora(a.ckpt, a.out, merge=a.merge, base=_local(a.base), dtype=a.dtype)
             what = (f"the base with rank-{r['rank']} adapters merged in, {human(r['bytes'])} in {len(r['files'])} "
                     f"safetensors file(s)" if r["merged"] else
@@ -91,6 +88,19 @@ def convert_to_hf_main(argv: Optional[list] = None) -> int:
         return 0
 
     return _run("convert_to_hf", body)
+
+
+def _lora_checkpoint(ckpt: str) -> bool:
+    """Whether ``ckpt`` resolves to a LoRA run's checkpoint (a lora.json); a path that does not
+    resolve is not one (the full export reports what is wrong with it)."""
+    from megappo.checkpoint import read_lora_file
+
+    from .megatron_ckpt import ConvertError, resolve_checkpoint
+
+    try:
+        return read_lora_file(resolve_checkpoint(ckpt)) is not None
+    except ConvertError:
+        return False
 
 
 def convert_from_hf_main(argv: Optional[list] = None) -> int:

@@ -155,10 +155,9 @@ class PPOTrainer:
                                                        self.dp, step, self.device))
             with t("sync"):  # also wakes a sleeping engine (its weights were dropped)
                 self.generation.collect_in_flight()   # one-step off: the bridge must be free first
-                sync = self.sync.push(step)
+                metrics["rollout/sync_bytes"] = float(self.sync.push(step).get("rollout/sync_bytes", 0))
         self.step_no = step
         metrics.update(reward_metrics)
-        metrics["rollout/sync_bytes"] = float(sync.get("rollout/sync_bytes", 0))   # per rank: what this rank's engine took
         metrics.update(self.generation.pop_metrics())   # multi-turn: turns and tool calls
         metrics = phases.step_metrics(step, metrics, batch, local, cfg, self.dp_group, t, self.layout.world_size,
                                       self.generation.lag if self.split else None, self.train_data.num_filtered,
