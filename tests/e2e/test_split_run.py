@@ -19,6 +19,20 @@ SPLIT = ["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2"]
 
 
 def _run(rank, world, setup, run_dir, steps, extra, port=None):
+    launch(world, [f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
+                   f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
+                   f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
+                   "trainer.val_before_train=false", f"trainer.test_freq={steps}", "trainer.save_freq=2",
+                   "data.max_response_length=6", "actor_rollout_ref.actor.optim.lr=1e-3",
+                   "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                   "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+                   "actor_rollout_ref.rollout.tensor_model_parallel_size=1"] + list(extra), port)
+
+
+def launch(world, overrides, port=None):
+    """One rank of a run on the tiny_cpu preset with ``overrides``: with ``port`` (the split
+    placement) the spawned world is remade from the launcher's environment, and the rollout ranks
+    serve while the training ranks train."""
     import os
 
     import torch.distributed as dist
@@ -29,15 +43,7 @@ def _run(rank, world, setup, run_dir, steps, extra, port=None):
     if port is not None:   # the split placement makes its own groups from the launcher's environment
         dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(port)
-
-    cfg = load_config([f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
-                       f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
-                       f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
-                       "trainer.val_before_train=false", f"trainer.test_freq={steps}", "trainer.save_freq=2",
-                       "data.max_response_length=6", "actor_rollout_ref.actor.optim.lr=1e-3",
-                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                       "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
-                       "actor_rollout_ref.rollout.tensor_model_parallel_size=1"] + list(extra), ["tiny_cpu"])
+    cfg = load_config(list(overrides), ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
     from megappo.distributed import split

@@ -19,41 +19,21 @@ CLOCKS = ("timing_s/", "perf/", "tools/seconds", "tools/max_call_seconds", "agen
 
 
 def _run(rank, world, setup, tools_yaml, run_dir, steps, extra, port=None):
-    import os
-
-    import torch.distributed as dist
-
-    from megappo.config import load_config, validate
-    from megappo.trainer import PPOTrainer, init_distributed
-
     sys.path.insert(0, str(REPO / "tests" / "e2e"))
     from test_multi_turn_run import _scripted_turns
+    from test_split_run import launch
 
     _scripted_turns()   # in every process: the rollout ranks run the loop
-    if port is not None:   # the split placement makes its own groups from the launcher's environment
-        dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(port)
     R = "actor_rollout_ref.rollout.multi_turn."
-    cfg = load_config([f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
-                       f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
-                       f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
-                       "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=2",
-                       "data.max_response_length=48", f"{R}enable=true", f"{R}tool_config_path={tools_yaml}",
-                       f"{R}max_assistant_turns=3", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160",
-                       "actor_rollout_ref.actor.optim.lr=1e-3", "critic.model.value_head_init_std=0.5",
-                       "actor_rollout_ref.rollout.tensor_model_parallel_size=1"] + list(extra), ["tiny_cpu"])
-    validate(cfg, check_paths=True, world_size=world)
-    init_distributed(cfg)
-    from megappo.distributed import split
-
-    groups = split.current()
-    if groups is not None and groups.role == "rollout":
-        from megappo.trainer import serve
-
-        serve(cfg, groups)
-    else:
-        PPOTrainer(cfg).fit()
+    launch(world, [f"actor_rollout_ref.model.path={setup['model']}", f"data.train_files=[{setup['train']}]",
+                   f"data.val_files=[{setup['test']}]", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
+                   f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
+                   "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=2",
+                   "data.max_response_length=48", f"{R}enable=true", f"{R}tool_config_path={tools_yaml}",
+                   f"{R}max_assistant_turns=3", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160",
+                   "actor_rollout_ref.actor.optim.lr=1e-3", "critic.model.value_head_init_std=0.5",
+                   "actor_rollout_ref.rollout.tensor_model_parallel_size=1"] + list(extra), port)
 
 
 def _rows(run_dir):
