@@ -37,6 +37,9 @@ def _run(rank, world, setup, run_dir, steps, extra, merged=False):
                        f"critic.model.lora_rank={RANK}", "actor_rollout_ref.actor.use_kl_loss=true",
                        # values start non-zero: advantages (and updates) from the first step, rewards or not
                        "critic.model.value_head_init_std=0.5",
+                       # one mini-batch per step: the actor's first update of a step starts from the
+                       # weights that made the batch, so its KL is to the reference alone
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                        f"trainer.n_gpus_per_node={world}"] + tp_pp + list(extra), ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
@@ -85,8 +88,10 @@ def test_lora_run_engine_equals_trainer_and_syncs_adapters_only(straight):
         # steps after the first send the adapters only (the base went once, before step 1)
         assert r["rollout/sync_bytes"] == adapters, (r["rollout/sync_bytes"], adapters, full)
     assert adapters < 0.15 * full
-    # the reference is the base (adapters off): once the adapters moved, a KL to it
-    assert all(r["actor/kl_loss"] > 1e-6 and r["actor/grad_norm"] > 0 for r in rows), rows
+    # the reference is the base (adapters off): 0 while B is 0 (step 1), positive once the
+    # adapters moved (a reference that kept them on would give 0 on every step)
+    assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9)
+    assert all(r["actor/kl_loss"] > 1e-6 for r in rows[1:]) and all(r["actor/grad_norm"] > 0 for r in rows), rows
     assert all(r["critic/grad_norm"] > 0 for r in rows)   # the LoRA critic (adapters, value head) trains
 
 
