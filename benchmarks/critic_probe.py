@@ -5,7 +5,7 @@
     python benchmarks/critic_probe.py critic.optim.lr=3e-3  # any config override, one thing at a time
 
 The critic is built by megappo.builders.build_critic from learning.py's config (tiny_cpu + the
-`gae` method's overrides, plus the overrides given here) on the task's tiny model folder, and
+`gae_batch` method's overrides (one critic pass, the defaults before group_cv), plus the overrides given here) on the task's tiny model folder, and
 trained by Critic.update_critic exactly as the trainer calls it (values of the batch first, for
 the clipped loss; mini-batches of critic.ppo_mini_batch_size prompts x n). Rollouts are
 synthetic: per prompt a hit rate p in {0.2, 0.5, 0.8} set by its first word (as a policy's skill
@@ -62,7 +62,7 @@ def build(task: str, seed: int, overrides: list[str], model_dir: str | None = No
             f"data.val_files=[{paths['test']}]", "data.max_prompt_length=16", f"data.max_response_length={N_WORDS}",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
             "critic.ppo_max_token_len_per_gpu=2048", f"actor_rollout_ref.actor.megatron.seed={42 + seed}",
-            *learning.MEGAPPO["gae"], *overrides]
+            *learning.MEGAPPO["gae_batch"], *overrides]
     cfg = load_config(args, ["tiny_cpu"])
     import socket
 

@@ -12,15 +12,20 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
               words should be the prompt's FIRST word (each adds 1/8, paid at the last token)
   copy        the same prompts; response word i should be prompt word i (a different target at
               each position: per-token credit)
+  pick_last   the same prompts; every response word should be the prompt's LAST word (added after
+              the PPO defaults were chosen, to check them on a task they were not measured on)
   lookup      multi-turn with a tool (not in the default list): "lookup: t13"; the answer is a word
               v0..v7 drawn per row that only the row's `lookup` tool knows; the model must call it
               (one token ends its turn), read "= v5" in the tool turn and answer v5 (score 1; a
               call with a wrong answer 0.1, the tool's calc_reward); target 0.8
   lookup_notools  the same data and model with multi-turn off: the answer cannot be seen, the
               best possible expected score is ~0.16 (lookup_ceiling_without_tools)
-    python benchmarks/learning.py --tasks lookup,lookup_notools --methods gae,grpo
+    python benchmarks/learning.py --tasks lookup,lookup_notools --methods gae_batch,grpo
 Methods (see MEGAPPO and TRL_ARGS):
-  gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings
+  gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings,
+             every other key at megappo's default (for gae with n > 1: gae_adv_norm group_cv, lam 1,
+             critic.ppo_epochs 8, critic betas 0.9/0.95)
+  gae_batch  what gae was before those defaults: verl's batch whitening, lam 0.95, one critic pass
   gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
   gae_centred  the same with algorithm.gae_adv_norm=group_centred and lam 1: GRPO's advantage plus
              only the part of the critic's per-token baseline that differs within the prompt group
@@ -28,7 +33,8 @@ Methods (see MEGAPPO and TRL_ARGS):
              critic.optim.betas=[0.9,0.95])
   gae_cv     algorithm.gae_adv_norm=group_cv, lam 1: gae_centred with the critic's correction
              weighted by how much of the outcome it explains on the batch (0 = GRPO's advantage)
-  gae_cv_fit gae_cv with gae_centred_fit's critic settings
+  gae_cv_fit gae_cv with gae_centred_fit's critic settings (the same run as gae)
+  gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only; and with 4 passes
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
              mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
@@ -79,6 +85,7 @@ TASKS = {
     "echo": dict(response=4, target=0.8, budget=6_400),
     "pick_first": dict(response=8, target=0.5, budget=38_400),
     "copy": dict(response=8, target=0.5, budget=38_400),
+    "pick_last": dict(response=8, target=0.5, budget=38_400),
     # multi-turn with a tool (megappo.rewards.synthetic: lookup); not in the default task list
     "lookup": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_TOOLS),
     "lookup_notools": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_NO_TOOLS),
@@ -87,9 +94,15 @@ DEFAULT_TASKS = ("words", "echo", "pick_first", "copy")
 
 # Settings per method. Both megappo methods see batch x n samples per step.
 MEGAPPO = {
-    "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
-            "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-            "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
+    # megappo's PPO with a critic as a user gets it at GRPO's settings: every other key at its
+    # default (for gae with n > 1: gae_adv_norm group_cv, lam 1, critic.ppo_epochs 8, critic betas
+    # 0.9/0.95; megappo.config.GAE_GROUP_DEFAULTS)
+    "gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
+    # what "gae" meant before those defaults: verl's batch whitening, lam 0.95, one critic pass
+    "gae_batch": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0", "algorithm.gae_adv_norm=batch",
+                  "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                  "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
     # TRL's PPO settings (one sample per prompt, 4 epochs of 2 mini-batches, KL in the reward)
     "gae1": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
              "actor_rollout_ref.rollout.n=1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
@@ -110,27 +123,32 @@ MEGAPPO["dapo"] = MEGAPPO["grpo"] + ["actor_rollout_ref.actor.clip_ratio_high=0.
                                      "algorithm.filter_groups.metric=score", "data.gen_batch_size=32"]
 MEGAPPO["grpo_is"] = MEGAPPO["grpo"] + ["algorithm.rollout_correction.rollout_is=token",
                                         "algorithm.rollout_correction.rollout_is_threshold=2.0"]
-MEGAPPO["gae_group"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group"]
-MEGAPPO["gae_centred"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_centred", "algorithm.lam=1.0"]
+_BATCH = [o for o in MEGAPPO["gae_batch"] if not o.startswith("algorithm.gae_adv_norm")]
+MEGAPPO["gae_group"] = _BATCH + ["algorithm.gae_adv_norm=group"]
+MEGAPPO["gae_centred"] = _BATCH + ["algorithm.gae_adv_norm=group_centred", "algorithm.lam=1.0"]
 # the critic fitted harder on each batch: 8 passes, Adam's second moment over ~20 steps instead of ~1000
 # (benchmarks/critic_probe.py: per-token values are learnt from repeated passes, not from more steps)
 MEGAPPO["gae_centred_fit"] = MEGAPPO["gae_centred"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
 # the critic's within-group correction weighted by a least-squares control-variate fit (0 = GRPO)
-MEGAPPO["gae_cv"] = MEGAPPO["gae"] + ["algorithm.gae_adv_norm=group_cv", "algorithm.lam=1.0"]
+MEGAPPO["gae_cv"] = _BATCH + ["algorithm.gae_adv_norm=group_cv", "algorithm.lam=1.0"]
 MEGAPPO["gae_cv_fit"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
+# how much of the fit the passes buy: the short second-moment memory alone, and 4 passes
+MEGAPPO["gae_cv_b95"] = MEGAPPO["gae_cv"] + ["critic.optim.betas=[0.9,0.95]"]
+MEGAPPO["gae_cv_fit4"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=4", "critic.optim.betas=[0.9,0.95]"]
 # LoRA (rank 8, alpha 16) on gae's settings: the actor's base frozen, adapters at 3x the full
 # fine-tuning lr (benchmarks/lora.py: on echo 3e-3 reached the target first of 1e-3 and 3e-3);
 # all-linear, or attention only (q, k, v, o)
 _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
          "actor_rollout_ref.actor.optim.lr=3e-3"]
-MEGAPPO["gae_lora"] = MEGAPPO["gae"] + _LORA
+MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
-            "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
+            "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"],
+            "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
 def _poll(proc: subprocess.Popen, out_file: Path, read, target: float, stop_at_target: bool) -> list[dict]:

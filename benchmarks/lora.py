@@ -4,8 +4,8 @@ per run), over seeds: samples to the target, bytes per weight sync, seconds per 
     python benchmarks/lora.py                     # 3 seeds, the methods below, 2 runs at a time
     python benchmarks/lora.py --quick             # 3 steps, one seed: checks the harness
 
-Methods (benchmarks/learning.py's MEGAPPO; gae's settings otherwise):
-  gae            full fine-tuning (lr 1e-3)
+Methods (benchmarks/learning.py's MEGAPPO; gae_batch's settings otherwise):
+  gae_batch      full fine-tuning (lr 1e-3)
   gae_lora       LoRA rank 8, alpha 16, all-linear; the base frozen, the reference = base
   gae_lora_attn  LoRA rank 8 on q_proj, k_proj, v_proj, o_proj only
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import learning  # noqa: E402
 
 TASK = "echo"
-METHODS = ("gae", "gae_lora", "gae_lora_attn")
+METHODS = ("gae_batch", "gae_lora", "gae_lora_attn")
 
 
 def scaled_base(paths: dict, gain: float) -> None:
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     methods = args.methods.split(",")
     seeds = [int(s) for s in args.seeds.split(",")][:1 if args.quick else None]
-    steps = 3 if args.quick else args.budget // learning.SAMPLES_PER_STEP["gae"]
+    steps = 3 if args.quick else args.budget // learning.SAMPLES_PER_STEP["gae_batch"]
     target = learning.TASKS[TASK]["target"]
     paths = {}
     for seed in seeds:
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         med, lo, hi = learning.median_spread(reached)
         sync = statistics.median(f["sync_bytes"] for f in facts)
         step_s = statistics.mean(f["step_s"] for f in facts)
-        if method == "gae":
+        if method == "gae_batch":
             full_bytes = sync
         rows.append((method, med, lo, hi, sync, step_s))
         flat[f"{TASK}_{method}_samples_to_target_median"] = med
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         flat[f"{method}_step_s"] = round(step_s, 3)
     for method, med, lo, hi, sync, step_s in rows:
         share = sync / full_bytes if full_bytes else None
-        if share is not None and method != "gae":
+        if share is not None and method != "gae_batch":
             flat[f"{method}_sync_share_of_full"] = round(share, 4)
         print(f"{method:<15} {str(med):>18} [{lo}, {hi}]{'':>8} {int(sync):>12} "
               f"{'' if share is None else f'{100 * share:.1f}%':>8} {step_s:>7.2f}")

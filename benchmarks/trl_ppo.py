@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (make_tiny_setup's 'model')")
     ap.add_argument("--train", required=True, help="training prompts, verl-schema parquet")
-    ap.add_argument("--task", required=True, choices=["echo", "words", "pick_first", "copy"])
+    ap.add_argument("--task", required=True, choices=["echo", "words", "pick_first", "copy", "pick_last"])
     ap.add_argument("--out", required=True, help="JSON-lines file: one line per step")
     ap.add_argument("--steps", type=int, default=100, help="PPO steps (rollout + update)")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per step (one sample each)")
@@ -135,7 +135,8 @@ def load_score_batch():
         fns = {syn.ECHO_SOURCE: lambda s, gt, ex: syn.echo_score(s, gt),
                syn.WORDS_SOURCE: lambda s, gt, ex: syn.words_score(s, gt, (ex or {}).get("max_words", 8)),
                syn.PICK_FIRST_SOURCE: lambda s, gt, ex: syn.pick_first_score(s, gt, (ex or {}).get("max_words", 8)),
-               syn.COPY_SOURCE: lambda s, gt, ex: syn.copy_score(s, gt, (ex or {}).get("max_words", 8))}
+               syn.COPY_SOURCE: lambda s, gt, ex: syn.copy_score(s, gt, (ex or {}).get("max_words", 8)),
+               syn.PICK_LAST_SOURCE: lambda s, gt, ex: syn.pick_last_score(s, gt, (ex or {}).get("max_words", 8))}
 
         def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom=None):
             extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)

@@ -177,7 +177,7 @@ class CollapseWatch:
             return (f"actor/entropy fell from {self.entropy0:.3g} to {entropy:.3g} while critic/score/mean stayed at "
                     f"{now:.3g} (start {start:.3g}): the policy is sharpening without learning"
                     + (f"; critic/advantages/equal_score_share {share:.2f} of the advantage sits on prompts whose "
-                       "samples all scored alike (the critic's noise): try algorithm.gae_adv_norm=group"
+                       "samples all scored alike (the critic's noise): try algorithm.gae_adv_norm=group_cv"
                        if share is not None else ""))
         return None
 

@@ -72,7 +72,7 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
 def test_lora_benchmark_quick_ends_with_json(tmp_path):
     """benchmarks/lora.py --quick (full fine-tuning and LoRA, 3 steps each): the sync bytes it
     reports are the whole model's and the adapters' (computed here from the model's config)."""
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--quick", "--methods", "gae,gae_lora",
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--quick", "--methods", "gae_batch,gae_lora",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     figures = json.loads(p.stdout.strip().splitlines()[-1])
@@ -81,7 +81,7 @@ def test_lora_benchmark_quick_ends_with_json(tmp_path):
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     shapes = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
     full = 4 * (L * (sum(o * i for o, i in shapes) + 2 * h + 2 * hd) + 2 * c["vocab_size"] * h + h)
-    assert figures["gae_sync_bytes"] == full
+    assert figures["gae_batch_sync_bytes"] == full
     assert figures["gae_lora_sync_bytes"] == 4 * L * sum(8 * (o + i) for o, i in shapes)
     assert figures["gae_lora_sync_share_of_full"] == pytest.approx(figures["gae_lora_sync_bytes"] / full, abs=1e-4)
     assert figures["echo_gae_lora_samples_to_target_per_seed"] == [None] and figures["gae_lora_step_s"] > 0

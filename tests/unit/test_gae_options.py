@@ -133,7 +133,7 @@ def test_config_validation_of_the_gae_options():
 
     e = error("algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1")
     assert "rollout.n > 1" in e["algorithm.gae_adv_norm"]
-    assert "batch, group, group_shift, group_centred or group_cv" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
+    assert "auto, batch, group, group_shift, group_centred or group_cv" in error("algorithm.gae_adv_norm=token")["algorithm.gae_adv_norm"]
     assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_cv", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "rollout.n > 1" in error("algorithm.gae_adv_norm=group_shift", "actor_rollout_ref.rollout.n=1")["algorithm.gae_adv_norm"]
     assert "[0, 1]" in error("algorithm.critic_lam=1.5")["algorithm.critic_lam"]
@@ -142,6 +142,38 @@ def test_config_validation_of_the_gae_options():
                       ("tiny_cpu",))
     validate(cfg)
     assert (cfg.algorithm.gae_adv_norm, cfg.algorithm.critic_lam, cfg.algorithm.lam_length_alpha) == ("group", 1.0, 0.05)
+
+
+def test_gae_defaults_fill_only_the_keys_nobody_set(tmp_path):
+    """adv_estimator=gae with several samples per prompt: group_cv and the harder-fitted critic
+    where the keys are unset; verl's meaning wherever a file or the command line set them."""
+    from megappo.config import GAE_GROUP_DEFAULTS, load_config, source_of, validate
+
+    def cfg_of(*overrides, files=("tiny_cpu",)):
+        sources: dict = {}
+        cfg = load_config(list(overrides), files, sources=sources)
+        validate(cfg)
+        al, cr = cfg.algorithm, cfg.critic
+        return (al.gae_adv_norm, cr.ppo_epochs, list(cr.optim.betas)), sources
+
+    verl = ("batch", 1, [0.9, 0.999])
+    grouped = (GAE_GROUP_DEFAULTS["algorithm.gae_adv_norm"], GAE_GROUP_DEFAULTS["critic.ppo_epochs"],
+               GAE_GROUP_DEFAULTS["critic.optim.betas"])
+    got, sources = cfg_of("actor_rollout_ref.rollout.n=8")
+    assert got == grouped and grouped[0] == "group_cv"
+    assert source_of(sources, "critic.ppo_epochs") == "the defaults of adv_estimator=gae with rollout.n > 1"
+    assert cfg_of("actor_rollout_ref.rollout.n=1")[0] == verl                       # no groups
+    assert cfg_of("actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo")[0] == verl
+    assert cfg_of("actor_rollout_ref.rollout.n=8", "algorithm.gae_adv_norm=batch")[0] == verl   # chosen: nothing filled
+    assert cfg_of("actor_rollout_ref.rollout.n=8", "algorithm.lam_length_alpha=0.05")[0] == verl  # VAPO's lambda
+    # each key set by the user keeps its value, the others are still filled
+    assert cfg_of("actor_rollout_ref.rollout.n=8", "critic.ppo_epochs=2")[0] == (grouped[0], 2, grouped[2])
+    assert cfg_of("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_epochs=3")[0] == (grouped[0], 3, grouped[2])
+    y = tmp_path / "mine.yaml"
+    y.write_text("critic:\n  optim:\n    betas: [0.8, 0.99]\n")
+    assert cfg_of("actor_rollout_ref.rollout.n=8", files=("tiny_cpu", str(y)))[0] == (grouped[0], grouped[1], [0.8, 0.99])
+    # the actor's betas are never touched
+    assert list(load_config(["actor_rollout_ref.rollout.n=8"], ("tiny_cpu",)).actor_rollout_ref.actor.optim.betas) == [0.9, 0.999]
 
 
 def test_equal_score_share():

@@ -132,6 +132,9 @@ def test_pick_first_and_copy_scores():
     assert len(rows) == 16 and all(len(r["prompt"][0]["content"].split()) == 8 for r in rows)
     assert rows == synthetic.make_token_rows(16, seed=3, source=synthetic.PICK_FIRST_SOURCE)   # deterministic
     assert score_batch([synthetic.PICK_FIRST_SOURCE, synthetic.COPY_SOURCE], ["t10 t10", "t10 t11"], [gt, gt]) == [0.25, 0.25]
+    assert synthetic.pick_last_score("t17 t10 t17 t17", gt) == 3 / 8        # the prompt's LAST word
+    assert synthetic.pick_last_score(" ".join(["t17"] * 9) + " t10", gt) == 1.0
+    assert score_batch([synthetic.PICK_LAST_SOURCE], ["t10 t17"], [gt]) == [0.125]
     import pytest
     with pytest.raises(ValueError, match="unknown source"):
         synthetic.make_token_rows(2, seed=0, source="synthetic/nope")

@@ -16,7 +16,7 @@ Nothing here imports torch, vLLM, Ray or megatron except the lazy look-ups of th
 registries during validation.
 """
 from megappo.config.docs import config_reference_markdown
-from megappo.config.parse import (PRESETS_DIR, apply_mapping, apply_override, load_config, source_of, to_dict,
+from megappo.config.parse import (GAE_GROUP_DEFAULTS, PRESETS_DIR, apply_mapping, apply_override, load_config, source_of, to_dict,
                                   to_yaml)
 from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, ConfigError, CriticConfig,
                                    CriticModelConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
@@ -41,6 +41,7 @@ __all__ = [
     "critic_enabled",
     "PRESETS_DIR",
     "source_of",
+    "GAE_GROUP_DEFAULTS",
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CriticConfig", "CriticModelConfig",
     "CustomRewardFunctionConfig", "DataConfig", "KLCtrlConfig", "MegatronConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig",
     "RefConfig", "RefMegatronConfig", "RewardModelConfig", "RewardModelModelConfig", "RolloutConfig", "TrainerConfig",

@@ -377,9 +377,50 @@ def load_config(
             key = text.split("=", 1)[0].strip().lstrip("+") if "=" in text else ""
             errs.append((key, str(e).split(": ", 1)[-1] if key else str(e)))
     _resolve(cfg, errs)
+    method_defaults(cfg, src)
     if errs and raise_errors:
         raise ConfigError(errs)
     return cfg
+
+
+# PPO with a critic and several samples per prompt: what a key left unset means (measured in
+# docs/benchmarks.md, "PPO with a critic on pick_first"). The advantages are GRPO's with the
+# critic's per-token correction weighted by the evidence for it (group_cv); the critic is fitted
+# harder on each batch (several passes, Adam's second moment over ~20 steps), which is what makes
+# it learn per-token values within the samples GRPO needs.
+GAE_GROUP_DEFAULTS = {
+    "algorithm.gae_adv_norm": "group_cv",
+    "critic.ppo_epochs": 8,
+    "critic.optim.betas": [0.9, 0.95],
+}
+
+
+def method_defaults(cfg: PPOConfig, sources: dict) -> list[str]:
+    """Fill the keys whose default depends on the method, where nobody set them: with
+    ``algorithm.gae_adv_norm=auto`` (its default) and ``adv_estimator=gae`` with
+    ``rollout.n > 1`` (and one lambda: VAPO's ``lam_length_alpha`` keeps batch whitening), every
+    key of :data:`GAE_GROUP_DEFAULTS` not set by a file or the command line takes its value there
+    (``critic.ppo_epochs`` also counts as set when ``actor.ppo_epochs`` is, as verl's reference
+    to it does); otherwise ``auto`` means ``batch`` (verl's whitening). Returns the keys filled."""
+    al = cfg.algorithm
+    if al.gae_adv_norm != "auto":
+        return []
+    n = cfg.actor_rollout_ref.rollout.n
+    grouped = (al.adv_estimator == "gae" and isinstance(n, int) and n > 1 and al.lam_length_alpha is None)
+    al.gae_adv_norm = "batch"
+    if not grouped:
+        return []
+    unset = lambda key: source_of(sources, key) == "the defaults"
+    filled = []
+    for key, value in GAE_GROUP_DEFAULTS.items():
+        if key == "critic.ppo_epochs" and not unset("actor_rollout_ref.actor.ppo_epochs"):
+            continue
+        if key == "algorithm.gae_adv_norm" or unset(key):
+            obj, name, _ = _locate(cfg, key)
+            setattr(obj, name, list(value) if isinstance(value, list) else value)
+            sources[key] = "the defaults of adv_estimator=gae with rollout.n > 1"
+            filled.append(key)
+    return filled
 
 
 def source_of(sources: dict, path: str) -> str:

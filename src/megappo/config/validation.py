@@ -224,8 +224,8 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         need(v is None or 0.0 <= v <= 1.0, key, f"must be in [0, 1], got {v}")
     need(al.lam_length_alpha is None or al.lam_length_alpha > 0, "algorithm.lam_length_alpha",
          f"must be > 0 (VAPO uses 0.05), got {al.lam_length_alpha}")
-    need(al.gae_adv_norm in ("batch", "group", "group_shift", "group_centred", "group_cv"), "algorithm.gae_adv_norm",
-         f"must be batch, group, group_shift, group_centred or group_cv, got {al.gae_adv_norm!r}")
+    need(al.gae_adv_norm in ("auto", "batch", "group", "group_shift", "group_centred", "group_cv"), "algorithm.gae_adv_norm",
+         f"must be auto, batch, group, group_shift, group_centred or group_cv, got {al.gae_adv_norm!r}")
     if al.gae_adv_norm in ("group_shift", "group_centred", "group_cv"):
         need(al.lam_length_alpha is None, "algorithm.gae_adv_norm",
              f"{al.gae_adv_norm} takes one lambda (algorithm.lam): unset algorithm.lam_length_alpha")
@@ -234,7 +234,7 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
              f"group normalisation compares the samples of a prompt: needs actor_rollout_ref.rollout.n > 1, got {n}")
     if al.adv_estimator != "gae":
         for key, default in (("critic_lam", None), ("lam_length_alpha", None), ("gae_adv_norm", "batch")):
-            if getattr(al, key) != default:
+            if getattr(al, key) not in (default, "auto"):
                 W.append(f"algorithm.{key}={getattr(al, key)!r} is read only by adv_estimator=gae "
                          f"(this run uses {al.adv_estimator!r}): ignored")
     kl_kinds = _known("kl")

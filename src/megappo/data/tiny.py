@@ -28,16 +28,16 @@ def build_word_tokenizer(words, extra_special=()):
     return fast
 
 
-TASKS = ("echo", "words", "pick_first", "copy", "lookup")
+TASKS = ("echo", "words", "pick_first", "copy", "pick_last", "lookup")
 
 
 def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed: int = 0, arch: str = "qwen3",
                     task: str = "echo") -> dict:
     """Everything the CPU main job needs, built locally: a word tokenizer, a tiny random-init
     model folder (HF config, safetensors, tokenizer) and a synthetic task (``echo``: reward on one
-    token; ``words``, ``pick_first``, ``copy``: reward spread over the response; ``lookup``: a
-    multi-turn task only the ``lookup`` tool can solve; see megappo.rewards.synthetic; the last
-    three use a smaller model: vocabulary 64, 2 layers).
+    token; ``words``, ``pick_first``, ``copy``, ``pick_last``: reward spread over the response;
+    ``lookup``: a multi-turn task only the ``lookup`` tool can solve; see megappo.rewards.synthetic;
+    all but echo and words use a smaller model: vocabulary 64, 2 layers).
     Returns the paths {"model", "train", "test"}. Idempotent: existing files are kept."""
     import os
 
@@ -62,7 +62,8 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
         elif task == "lookup":
             make = lambda n, s: synthetic.make_lookup_rows(n, seed=s)  # noqa: E731
         else:
-            source = synthetic.PICK_FIRST_SOURCE if task == "pick_first" else synthetic.COPY_SOURCE
+            source = {"pick_first": synthetic.PICK_FIRST_SOURCE, "copy": synthetic.COPY_SOURCE,
+                      "pick_last": synthetic.PICK_LAST_SOURCE}[task]
             make = lambda n, s: synthetic.make_token_rows(n, seed=s, source=source)  # noqa: E731
         write_parquet(make(n_train, seed), paths["train"])
         write_parquet(make(n_test, seed + 1), paths["test"])
@@ -74,7 +75,7 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
             words = synthetic.LOOKUP_WORDS
         # lookup: the tool role's header and the model's whole tool call are one token each
         tok = build_word_tokenizer(words, synthetic.LOOKUP_SPECIAL if task == "lookup" else ())
-        small = task in ("pick_first", "copy", "lookup")
+        small = task in ("pick_first", "copy", "pick_last", "lookup")
         # lookup: a call ends the model's turn, as a chat model ends its turn after a call
         eos = [tok.eos_token_id, tok.convert_tokens_to_ids(synthetic.LOOKUP_CALL)] if task == "lookup" else tok.eos_token_id
         shape = dict(vocab_size=64 if small else 128, hidden_size=128, intermediate_size=256,

@@ -54,6 +54,11 @@ def _pick_first(solution, ground_truth, extra_info=None):
     return synthetic.pick_first_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
 
 
+@register_reward(synthetic.PICK_LAST_SOURCE)
+def _pick_last(solution, ground_truth, extra_info=None):
+    return synthetic.pick_last_score(solution, ground_truth, (extra_info or {}).get("max_words", 8))
+
+
 @register_reward(synthetic.LOOKUP_SOURCE)
 def _lookup(solution, ground_truth, extra_info=None):
     return synthetic.lookup_score(solution, ground_truth, extra_info)

@@ -74,17 +74,21 @@ def words_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
 # Two tasks over the same 32 content words ``t10..t41``; a prompt is 8 random words (one user turn).
 # Both give a reward spread over the response (each right word adds 1/8), paid at the last token:
 #   pick_first: every response word should be the prompt's FIRST word;
-#   copy:       response word i should be prompt word i (a different target at every position).
+#   copy:       response word i should be prompt word i (a different target at every position);
+#   pick_last:  every response word should be the prompt's LAST word (a task the PPO options were
+#               not measured on while they were chosen: it checks them on one they were not tuned for).
 TOKEN_WORDS = [f"t{i}" for i in range(10, 42)]
 PICK_FIRST_SOURCE = "synthetic/pick_first"
 COPY_SOURCE = "synthetic/copy"
+PICK_LAST_SOURCE = "synthetic/pick_last"
+TOKEN_SOURCES = (PICK_FIRST_SOURCE, COPY_SOURCE, PICK_LAST_SOURCE)
 
 
 def make_token_rows(n: int, seed: int, source: str, n_words: int = 8) -> list[dict]:
     """Rows in verl's schema: the prompt is ``n_words`` random content words; the ground truth is
     the prompt itself (both scorers read what they need from it)."""
-    if source not in (PICK_FIRST_SOURCE, COPY_SOURCE):
-        raise ValueError(f"make_token_rows: unknown source {source!r}; expected {PICK_FIRST_SOURCE} or {COPY_SOURCE}")
+    if source not in TOKEN_SOURCES:
+        raise ValueError(f"make_token_rows: unknown source {source!r}; expected one of {', '.join(TOKEN_SOURCES)}")
     rnd = random.Random(seed)
     rows = []
     for i in range(n):
@@ -102,6 +106,11 @@ def make_token_rows(n: int, seed: int, source: str, n_words: int = 8) -> list[di
 def pick_first_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
     first = ground_truth.split()[0]
     return sum(w == first for w in solution.split()[:max_words]) / max_words
+
+
+def pick_last_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
+    last = ground_truth.split()[-1]
+    return sum(w == last for w in solution.split()[:max_words]) / max_words
 
 
 def copy_score(solution: str, ground_truth: str, max_words: int = 8) -> float:
