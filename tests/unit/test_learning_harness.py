@@ -70,3 +70,15 @@ def test_lookup_without_tools_is_the_same_run_with_multi_turn_off(tmp_path):
     on.actor_rollout_ref.rollout.multi_turn = off.actor_rollout_ref.rollout.multi_turn
     on.data.return_raw_chat = off.data.return_raw_chat
     assert on == off
+
+
+def test_compare_medians_then_score_at_budget():
+    """gae <= grpo: medians of samples to target (a miss is infinite); when both miss, the score at the budget."""
+    r = lambda n, score=0.1: {"samples_to_target": n, "score_at_budget": score}
+    assert learning.compare([r(100), r(300), r(None)], [r(200), r(250), r(260)])[0] is False   # 300 > 250
+    assert learning.compare([r(100), r(240), r(None)], [r(200), r(250), r(260)])[0] is True
+    assert learning.compare([r(100), r(None), r(None)], [r(100), r(100), r(None)])[0] is False  # a median miss loses
+    assert learning.compare([r(500), r(500), r(None)], [r(None), r(None), r(100)])[0] is True   # theirs never: ok
+    ok, line = learning.compare([r(None, 0.2), r(None, 0.1), r(5, 0.6)], [r(None, 0.15), r(None, 0.12), r(None, 0.1)])
+    assert ok and "0.200 vs 0.120" in line
+    assert learning.compare([r(None, 0.1)] * 3, [r(None, 0.11)] * 3)[0] is False
