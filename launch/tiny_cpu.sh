@@ -2,7 +2,7 @@
 # The CPU main job: a tiny random-init Qwen3-style model and its word tokenizer, built locally,
 # learn the synthetic echo task with PPO (GAE + critic) on 4 gloo processes via torchrun, the
 # actor and critic at TP2 x PP2, one vLLM engine per process. The mean score goes from ~0.03 to
-# >0.95 in about 50 steps (~3 minutes on 2 cores); validation every 10 steps, checkpoints at
+# >0.95 in about 50 steps (~6 minutes on 2 cores); validation every 10 steps, checkpoints at
 # steps 30 and 60 under $OUT/run (a rerun resumes from the latest one; delete it to start over).
 #   bash launch/tiny_cpu.sh [key=value ...]      (extra overrides go to megappo.train)
 # Environment: OUT (outputs/tiny_cpu), NPROC (4), TP (2), PP (2), PYTHON (.venv/bin/python).

@@ -469,6 +469,7 @@ RULES = [
     (["algorithm.critic_lam=-0.1"], {}, "algorithm.critic_lam", "must be in [0, 1], got -0.1"),
     (["algorithm.lam_length_alpha=0"], {}, "algorithm.lam_length_alpha", "must be > 0 (VAPO uses 0.05), got 0.0"),
     (["algorithm.gae_adv_norm=token"], {}, "algorithm.gae_adv_norm", "must be auto, batch, group, group_shift, group_centred or group_cv, got 'token'"),
+    (["algorithm.gae_cv_decay=1.0"], {}, "algorithm.gae_cv_decay", "must be in [0, 1), got 1.0"),
     (["algorithm.gae_adv_norm=group", "actor_rollout_ref.rollout.n=1"], {}, "algorithm.gae_adv_norm",
      "needs actor_rollout_ref.rollout.n > 1, got 1"),
     (["algorithm.gae_adv_norm=group_shift", "algorithm.lam_length_alpha=0.05"], {}, "algorithm.gae_adv_norm",

@@ -376,3 +376,70 @@ def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_be
     exact = (score[:, None] * torch.ones_like(mask, dtype=torch.float64)) * mask
     exact[:, 0] = 0.0
     assert abs(algo.critic_cv_beta(rewards, exact, mask, index, 1.0, 1.0) - 1.0) < 1e-9
+
+
+def _cv_batch(seed, knowledge):
+    """A batch whose critic knows ``knowledge`` of each sample's outcome per token (0: noise)."""
+    from megappo.algo.advantages import _centred_parts
+
+    rewards, values, mask, index = _batch(seed=seed, groups=6, n=4, T=7)
+    score = (rewards * mask).sum(-1)
+    values = (values + knowledge * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    return _centred_parts(rewards, values, mask, index, 1.0, 1.0, None), mask, index
+
+
+def test_cv_memory_is_the_least_squares_fit_over_the_recent_batches_weighted_by_decay():
+    from megappo.algo.advantages import critic_cv_fit
+
+    decay = 0.7
+    batches = [_cv_batch(40 + k, 2.0 + k) for k in range(3)]
+    memory = algo.CvMemory(decay)
+    for (o, d, std), mask, index in batches:
+        beta, se = critic_cv_fit(o, d, std, mask, index, memory=memory)
+    # the same fit on the three batches as one, batch k back scaled by decay^(k/2) (its squared
+    # sums then weigh decay^k); group ids kept apart
+    parts = [[t * decay ** ((2 - k) / 2) for t in (o, d)] + [std, mask, index + 100 * k]
+             for k, ((o, d, std), mask, index) in enumerate(batches)]
+    joint = [torch.cat([p[i] for p in parts]) for i in range(5)]
+    want_beta, _ = critic_cv_fit(*joint)
+    assert beta == pytest.approx(want_beta, rel=1e-9)
+    # decay 0 is the batch alone
+    (o, d, std), mask, index = batches[-1]
+    assert critic_cv_fit(o, d, std, mask, index, memory=algo.CvMemory(0.0)) == critic_cv_fit(o, d, std, mask, index)
+    # the same batch again and again: the same beta, its standard error down by
+    # sqrt(sum decay^2k) / sum decay^k (the clustered variance decays with decay^2)
+    one = critic_cv_fit(o, d, std, mask, index)
+    memory = algo.CvMemory(decay)
+    for k in range(1, 6):
+        beta, se = critic_cv_fit(o, d, std, mask, index, memory=memory)
+        ratio = sum(decay ** (2 * j) for j in range(k)) ** 0.5 / sum(decay ** j for j in range(k))
+        assert (beta, se) == pytest.approx((one[0], one[1] * ratio), rel=1e-9), k
+
+
+def test_group_cv_beta_with_memory_does_not_drop_to_0_on_a_batch_with_little_evidence():
+    """The flip the memory removes: a critic with per-token knowledge, then a batch where only one
+    prompt group has varied scores. Alone, that batch's fit is too noisy and beta drops to 0
+    (GRPO's advantage on one step, the critic's on the next: measured on the CPU main job once its
+    score passed 0.97); with the recent batches' sums it stays where they put it."""
+    from megappo.algo.advantages import critic_cv_coefficient
+
+    memory = algo.CvMemory(0.9)
+    for k in range(6):
+        (o, d, std), mask, index = _cv_batch(60 + k, 1.0)
+        critic_cv_coefficient(o, d, std, mask, index, memory=memory)
+    settled = memory.beta
+    assert settled > 0.15
+    (o, d, std), mask, index = _cv_batch(70, 1.0)
+    one = index == index[0]                       # keep one group's samples varied, the rest equal
+    std = torch.where(one, std, torch.zeros_like(std))
+    o = o * one[:, None]
+    alone = critic_cv_coefficient(o, d, std, mask, index)
+    with_memory = critic_cv_coefficient(o, d, std, mask, index, memory=memory)
+    assert alone == 0.0 and abs(with_memory - settled) < 0.1, (alone, with_memory, settled)
+    # the advantages use the remembered weight, and the state round-trips
+    state = memory.state_dict()
+    again = algo.CvMemory(0.9)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    with pytest.raises(ValueError, match="decay must be in"):
+        algo.CvMemory(1.0)

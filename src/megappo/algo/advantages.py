@@ -38,6 +38,7 @@ __all__ = [
     "critic_cv_coefficient",
     "critic_cv_fit",
     "critic_cv_beta",
+    "CvMemory",
     "equal_score_share",
     "length_adaptive_lam",
     "gae_per_sample_lam",
@@ -329,7 +330,7 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
                        gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
                        baseline_scores=None, dp_group=None, old_log_probs=None, sum_pi_squared=None,
                        rollout_is_weights=None, reward_components=None, reward_weights=None,
-                       gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None):
+                       gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None):
     """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T).
 
     Optional inputs, used by the estimators that ask for them (others ignore them):
@@ -353,7 +354,8 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
                    baseline_scores=baseline_scores, dp_group=dp_group, old_log_probs=old_log_probs,
                    sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
                    reward_components=reward_components, reward_weights=reward_weights,
-                   gae_adv_norm=gae_adv_norm, critic_lam=critic_lam, lam_length_alpha=lam_length_alpha)
+                   gae_adv_norm=gae_adv_norm, critic_lam=critic_lam, lam_length_alpha=lam_length_alpha,
+                   cv_memory=cv_memory)
 
 
 def _outcome(scores: torch.Tensor, response_mask, dtype) -> torch.Tensor:
@@ -487,32 +489,71 @@ def group_centred_gae(token_level_rewards, values, response_mask, group_index, g
     return _zero_masked(_on_group_scale(o + d, std, eps).to(values.dtype), response_mask)
 
 
-def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: float = 1e-6):
+class CvMemory:
+    """The least-squares sums behind ``group_cv``'s beta, carried from step to step.
+
+    The critic's per-token skill changes slowly, but one batch measures it badly exactly where it
+    matters: early (few groups with varied scores) and late (almost every sample right), where a
+    single batch's beta jumped between 0 and 1 from one step to the next (measured on the CPU main
+    job: 0/1 on alternate steps once the score passed 0.97). Each step's sums are added to the
+    previous ones times ``decay`` (0: this batch only), and the clustered variance of their
+    numerator times decay^2, so beta and its standard error are those of the least-squares fit over
+    the recent batches, batch k back weighted decay^k. Every rank holds the same sums (they are
+    DP-global); they go into the trainer's checkpoint, so a resumed run continues bit for bit."""
+
+    def __init__(self, decay: float = 0.0):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.sums = torch.zeros(4, dtype=torch.float64)   # sum xy, sum xx, sum yy, clustered var of sum xy
+        self.beta = 0.0                                    # the last beta used (critic/advantages/cv_beta)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "sums": [float(v) for v in self.sums], "beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        sums = torch.tensor([float(v) for v in state["sums"]], dtype=torch.float64)
+        if sums.shape != (4,):
+            raise ValueError(f"gae_cv sums must hold 4 numbers, got {len(sums)}")
+        self.sums, self.beta = sums, float(state["beta"])
+
+
+def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: float = 1e-6,
+                  memory: CvMemory | None = None):
     """(beta_hat, se): the least-squares coefficient of the outcome on the critic's within-group
     correction, beta_hat = -sum(o d w) / sum(d^2 w) with w = 1 / std_g^2 over the response tokens of
     groups whose scores differ (DP-global), and its standard error clustered by prompt group (a
     group's tokens share one outcome noise: counting tokens as independent would make the error
-    look tens of times smaller than it is). (0.0, inf) when d is 0 there (or at rounding level)."""
+    look tens of times smaller than it is). (0.0, inf) when d is 0 there (or at rounding level).
+    With ``memory`` the sums are those of :class:`CvMemory` (this batch's added; memory updated)."""
     live = (std > eps).to(torch.float64)[:, None] * response_mask.to(torch.float64)
     scale = live / (std.to(torch.float64)[:, None] + eps)
     y, x = o * scale, -d * scale
     t = torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
     if dp_group is not None:
         dist.all_reduce(t, group=dp_group)
+    past = torch.zeros(4, dtype=torch.float64) if memory is None else memory.sums * memory.decay
+    t = t.cpu() + past[:3]
     # d at rounding level (a critic whose values the group shares: GAE over different lengths
     # rounds differently) is no correction at all; its ratio would be arbitrary
     if float(t[1]) <= 1e-12 * float(t[2]):
+        if memory is not None:
+            memory.sums = torch.cat([t, past[3:] * memory.decay])
         return 0.0, float("inf")
     beta = t[0] / t[1]
-    per_sample = (x * (y - beta * x)).sum(-1)
+    per_sample = (x * (y - beta.to(x.device) * x)).sum(-1)
     totals = group_sums(torch.stack([per_sample, torch.ones_like(per_sample)], 1), group_index, dp_group)
     v = (totals[:, 0] ** 2 / totals[:, 1]).sum()      # sum over groups of (group score)^2, each once
     if dp_group is not None:
         dist.all_reduce(v, group=dp_group)
+    v = v.cpu() + past[3] * (memory.decay if memory is not None else 0.0)
+    if memory is not None:
+        memory.sums = torch.cat([t, v.view(1)])
     return float(beta), float(v.sqrt() / t[1])
 
 
-def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, eps: float = 1e-6) -> float:
+def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, eps: float = 1e-6,
+                          memory: CvMemory | None = None) -> float:
     """The weight beta in [0, 1] of the critic's within-group correction: :func:`critic_cv_fit`'s
     beta_hat shrunk by its own noise, beta_hat * max(0, 1 - (se / beta_hat)^2) (positive-part
     James-Stein), then clamped to [0, 1]; 0 when beta_hat <= 0.
@@ -525,23 +566,25 @@ def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, 
     early on few groups have varied scores, and an unshrunk beta clamped at 0 is positive on
     about half the batches of a critic that knows nothing (measured on pick_first: 0.3-1.0 on
     single batches while the critic's per-token credit was nil)."""
-    beta, se = critic_cv_fit(o, d, std, response_mask, group_index, dp_group, eps)
-    if beta <= 0.0:
-        return 0.0
-    return min(1.0, beta * max(0.0, 1.0 - (se / beta) ** 2))
+    beta, se = critic_cv_fit(o, d, std, response_mask, group_index, dp_group, eps, memory)
+    out = 0.0 if beta <= 0.0 else min(1.0, beta * max(0.0, 1.0 - (se / beta) ** 2))
+    if memory is not None:
+        memory.beta = out
+    return out
 
 
 def group_cv_gae(token_level_rewards, values, response_mask, group_index, gamma: float, lam: float,
-                 dp_group=None, eps: float = 1e-6):
+                 dp_group=None, eps: float = 1e-6, memory: CvMemory | None = None):
     """:func:`group_centred_gae` with the critic's within-group correction weighted by how much of
     the outcome it explains on this batch (:func:`critic_cv_coefficient`):
         A_it = (O_i + beta d_it) / std_g                           (0 where std_g = 0)
     Why: group_centred adds the critic's correction at full weight whatever its quality, so a
     critic that has not yet learned per-token values adds pure noise to GRPO's advantage (measured
     on pick_first: slightly behind GRPO on most seeds); here its weight follows the evidence, from
-    GRPO (beta 0) to group_centred (beta 1). Returns (advantages (B, T), beta)."""
+    GRPO (beta 0) to group_centred (beta 1). ``memory``: beta from this and the recent batches
+    (:class:`CvMemory`). Returns (advantages (B, T), beta)."""
     o, d, std = _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
-    beta = critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group, eps)
+    beta = critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group, eps, memory)
     return _zero_masked(_on_group_scale(o + beta * d, std, eps).to(values.dtype), response_mask), beta
 
 
@@ -570,12 +613,13 @@ def equal_score_share(advantages, token_level_rewards, response_mask, group_inde
 
 @register_estimator("gae", needs_critic=True)
 def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp_group, group_index=None,
-                   gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, **_):
+                   gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None, **_):
     """GAE. ``gae_adv_norm``: ``batch`` whitens the advantages over the (DP-global) batch (verl);
     ``group`` is :func:`group_normalised_gae`. ``critic_lam`` (None: ``lam``): the lambda of the
     critic's targets (VAPO's decoupled GAE: 1.0 makes them Monte-Carlo returns);
     ``lam_length_alpha`` (None: off): the policy's lambda per sample is
-    :func:`length_adaptive_lam`. Returns (advantages, returns = critic-lambda advantage + values)."""
+    :func:`length_adaptive_lam`; ``cv_memory`` (:class:`CvMemory`, None: this batch only): the
+    running sums of group_cv's beta. Returns (advantages, returns = critic-lambda advantage + values)."""
     if gae_adv_norm not in GAE_ADV_NORMS:
         raise ValueError(f"gae_adv_norm must be one of {GAE_ADV_NORMS}, got {gae_adv_norm!r}")
     if lam_length_alpha is not None:
@@ -593,7 +637,8 @@ def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp
             if lam_length_alpha is not None:
                 raise ValueError(f"gae_adv_norm={gae_adv_norm!r} takes one lambda (algorithm.lam), not lam_length_alpha")
             if gae_adv_norm == "group_cv":
-                return group_cv_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)[0], ret
+                return group_cv_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group,
+                                    memory=cv_memory)[0], ret
             fn = group_shifted_gae if gae_adv_norm == "group_shift" else group_centred_gae
             return fn(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group), ret
         return group_normalised_gae(adv, values, token_level_rewards, response_mask, group_index, dp_group), ret

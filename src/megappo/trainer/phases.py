@@ -58,10 +58,11 @@ def rollout_correction(batch: RolloutBatch, cfg, dp_group) -> tuple[Optional[tor
     return weights, mask, metrics
 
 
-def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor, dict]:
+def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memory=None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """(token-level rewards: the scores, minus the KL penalty when it is in the reward; advantages;
-    returns; metrics), statistics over the global batch (every DP rank)."""
+    returns; metrics), statistics over the global batch (every DP rank). ``cv_memory``
+    (algo.CvMemory): group_cv's running sums, updated here."""
     al, metrics = cfg.algorithm, {}
     if al.use_kl_in_reward:
         rewards, metrics = algo.apply_kl_in_reward(batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob,
@@ -74,11 +75,13 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group) -> tuple
         dp_group=dp_group, old_log_probs=batch.old_log_prob, sum_pi_squared=batch.sum_pi_squared,
         rollout_is_weights=batch.rollout_is_weights, reward_components=batch.reward_components,
         reward_weights=al.gdpo_reward_weights, gae_adv_norm=al.gae_adv_norm, critic_lam=al.critic_lam,
-        lam_length_alpha=al.lam_length_alpha)
+        lam_length_alpha=al.lam_length_alpha, cv_memory=cv_memory)
     if batch.values is not None and cfg.actor_rollout_ref.rollout.n > 1:
         metrics["critic/advantages/equal_score_share"] = algo.equal_score_share(
             advantages, rewards, batch.response_mask, batch.prompt_index, dp_group)
-        if al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
+        if al.adv_estimator == "gae" and al.gae_adv_norm == "group_cv" and cv_memory is not None:
+            metrics["critic/advantages/cv_beta"] = cv_memory.beta   # the weight these advantages used
+        elif al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
             metrics["critic/advantages/cv_beta"] = algo.critic_cv_beta(
                 rewards, batch.values, batch.response_mask, batch.prompt_index, al.gamma, al.lam, dp_group)
     return rewards, advantages, returns, metrics

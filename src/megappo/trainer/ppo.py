@@ -79,6 +79,7 @@ class PPOTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
                                                 "horizon": k.horizon})
+        self.cv_memory = algo.CvMemory(cfg.algorithm.gae_cv_decay)   # group_cv's beta across steps
         self.sampler = PromptSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
                                      seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
@@ -142,7 +143,7 @@ class PPOTrainer:
                 check("values", values=local.values)
             with t("adv"):
                 local.token_level_rewards, local.advantages, local.returns, m = phases.rewards_and_advantages(
-                    local, cfg, self.kl_ctrl, self.dp_group)
+                    local, cfg, self.kl_ctrl, self.dp_group, self.cv_memory)
                 metrics.update(m)
             check("adv", rewards=local.token_level_rewards, advantages=local.advantages, returns=local.returns)
             if self.critic is not None:
@@ -192,14 +193,17 @@ class PPOTrainer:
     def validate(self) -> dict:
         return validate(self.cfg, self.val_data, self.generation, self.scorer, self.engine, self.timer, self.step_no)
 
+    def algo_state(self) -> dict:
+        return {"kl_ctrl": self.kl_ctrl, "gae_cv": self.cv_memory}
+
     def save(self) -> str:
         return run_state.save(self.cfg, self.step_no, run_state.checkpointed_workers(self.actor, self.critic),
-                              self.sampler, self.kl_ctrl, self.world, self.layout, self.generation.inflight)
+                              self.sampler, self.algo_state(), self.world, self.layout, self.generation.inflight)
 
     def resume(self) -> Optional[str]:
         """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""
         r = run_state.resume(self.cfg, lambda: run_state.checkpointed_workers(self.actor, self.critic), self.sampler,
-                             self.kl_ctrl, self.logger, self.world, self.generation.one_step_off)
+                             self.algo_state(), self.logger, self.world, self.generation.one_step_off)
         if r.path is not None:
             self.step_no, self.generation.inflight = r.step, r.inflight
             if self.rank == 0:

@@ -30,8 +30,9 @@ def checkpointed_workers(actor, critic) -> dict:
 
 # a checkpoint's write or load may hold the interpreter for minutes (pickling, hashing shards)
 @watchdog.in_phase("save_checkpoint", watchdog.SLOW)
-def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, inflight) -> str:
-    """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically."""
+def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, layout, inflight) -> str:
+    """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically.
+    ``algo_state``: name -> object with state_dict() (the KL controller, group_cv's running sums)."""
     from megappo.checkpoint import save_checkpoint
 
     tr = cfg.trainer
@@ -39,8 +40,8 @@ def save(cfg, step: int, workers: dict, sampler, kl_ctrl, world: int, layout, in
     hf = {"actor": os.path.expanduser(cfg.actor_rollout_ref.model.path)}
     if "critic" in workers:
         hf["critic"] = os.path.expanduser(cfg.critic.model.path)
-    state = {"data": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "world_size": world,
-             "layout": dataclasses.asdict(layout)}
+    state = {"data": sampler.state_dict(), "world_size": world, "layout": dataclasses.asdict(layout),
+             **{name: obj.state_dict() for name, obj in algo_state.items()}}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
                            per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight)}, hf_sources=hf)
 
@@ -76,7 +77,7 @@ def _inflight_from(plain: Optional[dict]):
 
 
 @watchdog.in_phase("load_checkpoint", watchdog.SLOW)
-def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: bool) -> Resumed:
+def resume(cfg, workers_fn, sampler, algo_state: dict, logger, world: int, one_step_off: bool) -> Resumed:
     """Load the checkpoint ``trainer.resume_mode`` asks for (``workers_fn()``: the workers to
     load into); a run that died before its first checkpoint starts over (its metric lines dropped)."""
     from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint, read_rank_state
@@ -96,7 +97,10 @@ def resume(cfg, workers_fn, sampler, kl_ctrl, logger, world: int, one_step_off: 
     state, rank_state = load_checkpoint(path, workers_fn(), with_rank_state=True)
     try:
         sampler.load_state_dict(state["data"])
-        kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for name, obj in algo_state.items():
+            # group_cv's sums are newer than the format: a checkpoint without them starts them at 0
+            if name in state or name == "kl_ctrl":
+                obj.load_state_dict(state[name])
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{path}/trainer_state.json: cannot restore the trainer state: {e}") from e
     step = int(state["step"])
