@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "tests" / "distributed"))
 
 # Wall-clock figures differ between any two runs; everything else must match.
 VOLATILE = ("timing_s/", "perf/")
-VAL = "val-core/synthetic/echo/reward/mean@1"
+VAL = "val-core/synthetic/words/reward/mean@1"
 
 
 def _run(rank, world, setup, run_dir, steps, extra):
@@ -49,7 +49,10 @@ def straight(tmp_path_factory):
     from megappo.data.tiny import make_tiny_setup
 
     root = tmp_path_factory.mktemp("resume")
-    setup = make_tiny_setup(str(root / "tiny"))
+    # words: a random policy scores partly, so prompt groups differ and the default advantage
+    # (GRPO's baseline with the critic's correction) moves the actor from the first step; on echo
+    # every group of 2 scores 0 and the actor would not move before step 4
+    setup = make_tiny_setup(str(root / "tiny"), task="words")
     run = root / "straight"
     spawn(_run, 2, setup, str(run), 4, ["trainer.save_freq=2"])
     return setup, run
@@ -66,6 +69,8 @@ def test_resumed_run_continues_with_the_same_metrics(straight, tmp_path):
     assert (run / "latest").read_text() == "4"
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data"]["position"] == 2
+    # group_cv's running sums (algo.CvMemory) travel with the checkpoint: sum y^2 > 0 once groups differ
+    assert len(state["gae_cv"]["sums"]) == 4 and state["gae_cv"]["sums"][2] > 0, state["gae_cv"]
     assert sorted(os.listdir(run / "global_step_2")) == ["actor", "critic", "manifest.json", "rank_state",
                                                          "trainer_state.json"]
     hf = sorted(os.listdir(run / "global_step_2" / "actor" / "huggingface"))
