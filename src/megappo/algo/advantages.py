@@ -532,13 +532,14 @@ def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: flo
     t = torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
     if dp_group is not None:
         dist.all_reduce(t, group=dp_group)
-    past = torch.zeros(4, dtype=torch.float64) if memory is None else memory.sums * memory.decay
-    t = t.cpu() + past[:3]
+    # the recent batches' sums, batch k back weighted decay^k (their clustered variance decay^2k)
+    prev, k = (torch.zeros(4, dtype=torch.float64), 0.0) if memory is None else (memory.sums, memory.decay)
+    t = t.cpu() + k * prev[:3]
     # d at rounding level (a critic whose values the group shares: GAE over different lengths
     # rounds differently) is no correction at all; its ratio would be arbitrary
     if float(t[1]) <= 1e-12 * float(t[2]):
         if memory is not None:
-            memory.sums = torch.cat([t, past[3:] * memory.decay])
+            memory.sums = torch.cat([t, k * k * prev[3:]])
         return 0.0, float("inf")
     beta = t[0] / t[1]
     per_sample = (x * (y - beta.to(x.device) * x)).sum(-1)
@@ -546,7 +547,7 @@ def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: flo
     v = (totals[:, 0] ** 2 / totals[:, 1]).sum()      # sum over groups of (group score)^2, each once
     if dp_group is not None:
         dist.all_reduce(v, group=dp_group)
-    v = v.cpu() + past[3] * (memory.decay if memory is not None else 0.0)
+    v = v.cpu() + k * k * prev[3]
     if memory is not None:
         memory.sums = torch.cat([t, v.view(1)])
     return float(beta), float(v.sqrt() / t[1])

@@ -384,10 +384,11 @@ def load_config(
 
 
 # PPO with a critic and several samples per prompt: what a key left unset means (measured in
-# docs/benchmarks.md, "PPO with a critic on pick_first"). The advantages are GRPO's with the
-# critic's per-token correction weighted by the evidence for it (group_cv); the critic is fitted
-# harder on each batch (several passes, Adam's second moment over ~20 steps), which is what makes
-# it learn per-token values within the samples GRPO needs.
+# docs/benchmarks.md, "PPO with a critic: the defaults"). The advantages are GRPO's with the
+# critic's per-token correction weighted by the evidence for it (group_cv: never worse than
+# GRPO beyond the seeds' spread, and no collapse); the critic is fitted harder on each batch
+# (several passes, Adam's second moment over ~20 steps: per-token values are learnt from passes,
+# benchmarks/critic_probe.py), though on the tiny tasks still too late to beat GRPO.
 GAE_GROUP_DEFAULTS = {
     "algorithm.gae_adv_norm": "group_cv",
     "critic.ppo_epochs": 8,
