@@ -69,7 +69,7 @@ def model_dir(tmp_path_factory):
 def single(model_dir, tmp_path_factory):
     """Every single-rank run of this file in one spawned process: name -> its output file."""
     root = tmp_path_factory.mktemp("single")
-    runs = {"reference": (_worker, (1, 1, 2, model_dir)), "lr": (_lr_worker, (model_dir,)),
+    runs = {"reference": (_worker, (1, 1, 2, model_dir)), "lr": (_lr_worker, (model_dir,)), "hfgrad": (_hf_grad_worker, (model_dir,)),
             "modes": (_loss_mode_worker, (model_dir,)), "is": (_rollout_is_worker, (model_dir,)),
             "rs": (_rejection_worker, (model_dir,))}
     outs = {name: str(root / f"{name}.json") for name in runs}
@@ -125,6 +125,48 @@ def test_lr_warmup_then_linear_decay(single):
     lrs = _result(single, "lr")
     want = [0.0, 5e-4, 1e-3] + [1e-3 - (1e-3 - 1e-4) * k / 4 for k in (1, 2, 3, 4)] + [1e-4]
     assert lrs == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def _hf_grad_worker(rank, world, dirs, out_file):
+    """The actor's gradient norm (what actor.optim.clip_grad compares with) for one PPO mini-batch,
+    and the same loss's gradient norm computed by HF transformers on the same weights."""
+    setup(1, 1)
+    from transformers import AutoModelForCausalLM
+
+    from megappo.workers import Actor
+
+    path = os.path.join(dirs, "qwen3")
+    info, cfg, chunks = build(path, 1, 1)
+    # lr 0 and no clipping: the step reports the raw norm and changes nothing
+    actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.0, clip_grad=1e9, optimizer="sgd",
+                  use_distributed_optimizer=False)
+    batch = _global_batch()
+    batch.old_log_prob = actor.compute_log_prob(batch, 4)
+    m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=2,
+                            loss=algo.PolicyLossSpec(loss_agg_mode="token-mean"))
+    # at ratio 1 the clipped loss's gradient is -A grad(log p): token-mean over the batch's response tokens
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    total = torch.zeros(())
+    for i in range(len(batch)):
+        n = int(batch.response_mask[i].sum())
+        p = int(batch.prompt_lengths[i])
+        ids = batch.input_ids[i, :p + n][None]
+        logits = hf(ids).logits[0, p - 1:p + n - 1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, p:, None])[:, 0]
+        total = total - (batch.advantages[i, :n] * lp).sum()
+    (total / batch.response_mask.sum()).backward()
+    hf_norm = float(sum(q.grad.pow(2).sum() for q in hf.parameters() if q.grad is not None).sqrt())
+    with open(out_file, "w") as f:
+        json.dump({"megappo": m["actor/grad_norm"], "hf": hf_norm}, f)
+
+
+def test_the_gradient_norm_is_the_losss_own(single):
+    """actor/grad_norm (what clip_grad clips) is the norm of the mini-batch loss's gradient, as HF
+    transformers computes it on the same weights and tokens: four micro-batches, no double-counted
+    or missing parameters, no scale from the micro-batch split."""
+    got = _result(single, "hfgrad")
+    assert got["hf"] > 0.1
+    assert got["megappo"] == pytest.approx(got["hf"], rel=1e-4)
 
 
 def _loss_mode_worker(rank, world, dirs, out_file):
