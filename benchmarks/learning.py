@@ -37,7 +37,9 @@ Methods (see MEGAPPO and TRL_ARGS):
   gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only; and with 4 passes
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
-             mini-batches, lr 3e-4, critic lr 1e-3, KL 0.01 in the reward): TRL's PPO settings
+             mini-batches, lr 3e-4 for actor and critic, no gradient clipping, KL 0.01 in the
+             reward): TRL's PPO settings
+  gae1_clip  gae1 with megappo's (verl's) defaults where TRL's differ: clip 1.0, critic lr 1e-3
   trl        TRL 1.12's PPOTrainer (GAE, separate value model) at those settings, from its own
              venv, which a full run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV
              to put it elsewhere); --quick skips TRL, saying so, when the venv is missing
@@ -104,11 +106,20 @@ MEGAPPO = {
     "gae_batch": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0", "algorithm.gae_adv_norm=batch",
                   "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                   "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
-    # TRL's PPO settings (one sample per prompt, 4 epochs of 2 mini-batches, KL in the reward)
+    # TRL's PPO settings (one sample per prompt, 4 epochs of 2 mini-batches, KL in the reward; one
+    # optimizer for policy and value model, so one lr, and no gradient clipping: TRL's PPO loop
+    # clips none). megappo's own defaults (verl's clip 1.0, critic lr 1e-3) needed 1.2x TRL's samples
+    # on words (2026-12-05): that is the "gae1_clip" method.
     "gae1": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
              "actor_rollout_ref.rollout.n=1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-             "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
+             "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=3e-4",
+             "actor_rollout_ref.actor.optim.clip_grad=0", "critic.optim.clip_grad=0",
              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
+    # gae1 with megappo's (verl's) defaults where TRL differs: gradient-norm clip 1.0, critic lr 1e-3
+    "gae1_clip": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
+                  "actor_rollout_ref.rollout.n=1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                  "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
+                  "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3"],
 }
@@ -144,7 +155,7 @@ _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_al
 MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae1": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
