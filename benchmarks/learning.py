@@ -37,8 +37,8 @@ Methods (see MEGAPPO and TRL_ARGS):
   gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only; and with 4 passes
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
-             mini-batches, lr 3e-4 for actor and critic, no gradient clipping, KL 0.01 in the
-             reward): TRL's PPO settings
+             mini-batches, TRL's lr for the task (3e-4; 1e-4 on echo) for actor and critic, no
+             gradient clipping, KL 0.01 in the reward): TRL's PPO settings
   gae1_clip  gae1 with megappo's (verl's) defaults where TRL's differ: clip 1.0, critic lr 1e-3
   trl        TRL 1.12's PPOTrainer (GAE, separate value model) at those settings, from its own
              venv, which a full run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV
@@ -213,7 +213,16 @@ def megappo_args(method: str, task: str, paths: dict, run_dir: Path, steps: int,
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
             "critic.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096", *MEGAPPO[method],
-            *spec.get("extra", ()), *extra]
+            *trl_lr(method, task), *spec.get("extra", ()), *extra]
+
+
+def trl_lr(method: str, task: str) -> list[str]:
+    """At TRL's settings megappo takes the lr TRL runs the task with (TRL_ARGS: tuned for TRL, 1e-4
+    on echo), for policy and value model alike (TRL's one optimizer); gae1_clip for the policy only."""
+    if method not in ("gae1", "gae1_clip") or task not in TRL_ARGS:
+        return []
+    lr = TRL_ARGS[task][TRL_ARGS[task].index("--lr") + 1]
+    return [f"actor_rollout_ref.actor.optim.lr={lr}"] + ([f"critic.optim.lr={lr}"] if method == "gae1" else [])
 
 
 def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),

@@ -43,6 +43,22 @@ def test_every_megappo_method_has_its_samples_per_step():
         assert learning.SAMPLES_PER_STEP[method] == int(last["actor_rollout_ref.rollout.n"]) * int(last["data.train_batch_size"])
 
 
+def test_gae1_runs_at_the_settings_trl_runs_the_task_with(tmp_path):
+    """gae1 = TRL's settings: the lr trl_ppo.py is given for the task, for policy AND value model
+    (TRL has one optimizer), and no gradient clipping (TRL's PPO loop clips none); gae1_clip keeps
+    megappo's clip and critic lr. The last occurrence of a key wins on megappo's command line."""
+    paths = {"model": "m", "train": "t", "test": "v"}
+    for task, trl in learning.TRL_ARGS.items():
+        lr = trl[trl.index("--lr") + 1]
+        last = dict(a.split("=", 1) for a in learning.megappo_args("gae1", task, paths, tmp_path, 3, 0) if "=" in a)
+        assert last["actor_rollout_ref.actor.optim.lr"] == last["critic.optim.lr"] == lr, task
+        assert last["actor_rollout_ref.actor.optim.clip_grad"] == last["critic.optim.clip_grad"] == "0", task
+        clip = dict(a.split("=", 1) for a in learning.megappo_args("gae1_clip", task, paths, tmp_path, 3, 0) if "=" in a)
+        assert clip["actor_rollout_ref.actor.optim.lr"] == lr and clip["critic.optim.lr"] == "1e-3", task
+        assert "actor_rollout_ref.actor.optim.clip_grad" not in clip, task
+    assert learning.TRL_ARGS["echo"][learning.TRL_ARGS["echo"].index("--lr") + 1] == "1e-4"   # a task where it differs
+
+
 def test_the_harness_imports_this_checkout():
     """The harness uses the megappo of the checkout the script sits in (not whatever the venv's
     editable install points at); its runs get the same folder first on PYTHONPATH."""
