@@ -35,6 +35,8 @@ Methods (see MEGAPPO and TRL_ARGS):
              weighted by how much of the outcome it explains on the batch (0 = GRPO's advantage)
   gae_cv_fit gae_cv with gae_centred_fit's critic settings (the same run as gae)
   gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only; and with 4 passes
+  gae_inc    gae with critic.value_mode=increments (V(s_t) = V(s_0) + the running sum of one head
+             output per response token before t)
   grpo       megappo GRPO (no critic), n=8
   gae1       megappo PPO with GAE and a critic, one sample per prompt (batch 32, 4 epochs of 2
              mini-batches, TRL's lr for the task (3e-4; 1e-4 on echo) for actor and critic, no
@@ -144,6 +146,8 @@ MEGAPPO["gae_centred_fit"] = MEGAPPO["gae_centred"] + ["critic.ppo_epochs=8", "c
 # the critic's within-group correction weighted by a least-squares control-variate fit (0 = GRPO)
 MEGAPPO["gae_cv"] = _BATCH + ["algorithm.gae_adv_norm=group_cv", "algorithm.lam=1.0"]
 MEGAPPO["gae_cv_fit"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=8", "critic.optim.betas=[0.9,0.95]"]
+# the critic's values as running sums of per-token increments (critic.value_mode)
+MEGAPPO["gae_inc"] = MEGAPPO["gae"] + ["critic.value_mode=increments"]
 # how much of the fit the passes buy: the short second-moment memory alone, and 4 passes
 MEGAPPO["gae_cv_b95"] = MEGAPPO["gae_cv"] + ["critic.optim.betas=[0.9,0.95]"]
 MEGAPPO["gae_cv_fit4"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=4", "critic.optim.betas=[0.9,0.95]"]
@@ -155,7 +159,7 @@ _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_al
 MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],

@@ -224,7 +224,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
                                   checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron",
                                   lora=lora_spec_from_config(c.model))
-    critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id,
+    critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id, value_mode=c.value_mode,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)
     critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding")

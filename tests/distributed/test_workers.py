@@ -70,6 +70,7 @@ def single(model_dir, tmp_path_factory):
     """Every single-rank run of this file in one spawned process: name -> its output file."""
     root = tmp_path_factory.mktemp("single")
     runs = {"reference": (_worker, (1, 1, 2, model_dir)), "lr": (_lr_worker, (model_dir,)), "hfgrad": (_hf_grad_worker, (model_dir,)),
+            "value_mode": (_value_mode_worker, (model_dir,)),
             "modes": (_loss_mode_worker, (model_dir,)), "is": (_rollout_is_worker, (model_dir,)),
             "rs": (_rejection_worker, (model_dir,))}
     outs = {name: str(root / f"{name}.json") for name in runs}
@@ -167,6 +168,57 @@ def test_the_gradient_norm_is_the_losss_own(single):
     got = _result(single, "hfgrad")
     assert got["hf"] > 0.1
     assert got["megappo"] == pytest.approx(got["hf"], rel=1e-4)
+
+
+def _value_mode_worker(rank, world, dirs, out_file):
+    """critic.value_mode=increments on one model: its values, the state values of the same
+    weights, after a response token is replaced, under a token budget, and its update's loss."""
+    setup(1, 1)
+    from megappo.workers import Critic
+
+    info, cfg, chunks = build(os.path.join(dirs, "qwen3"), 1, 1, value_head=True)
+    critic = Critic(chunks, cfg, lr=1e-3, value_mode="increments")
+    batch = _global_batch()
+    inc = critic.compute_values(batch, 4)
+    inc_budget = critic.compute_values(batch, max_token_len=40)
+    critic.value_mode = "state"
+    state = critic.compute_values(batch, 4)
+    critic.value_mode = "increments"
+    changed = _global_batch()
+    col = 3   # response token 3 of the samples that have a token after it
+    rows = [i for i in range(len(changed)) if changed.response_mask[i, col + 1] > 0]
+    for i in rows:
+        new = 3 + (int(changed.responses[i, col]) - 3 + 1) % (VOCAB - 3)   # another ordinary token
+        changed.responses[i, col] = new
+        changed.input_ids[i, int(changed.prompt_lengths[i]) + col] = new
+    inc_changed = critic.compute_values(changed, 4)
+    batch.values = inc.clone()
+    m = critic.update_critic(batch, mini_batch_size=len(batch), micro_batch_size=4)
+    want, _ = algo.value_loss(inc, batch.returns, inc, batch.response_mask, cliprange_value=0.5,
+                              global_tokens=batch.response_mask.sum())
+    with open(out_file, "w") as f:
+        json.dump({"inc": inc.tolist(), "inc_budget": inc_budget.tolist(), "state": state.tolist(),
+                   "inc_changed": inc_changed.tolist(), "rows": rows, "col": col,
+                   "mask": batch.response_mask.tolist(), "vf": m["critic/vf_loss_per_minibatch"][0],
+                   "vf_host": float(want)}, f)
+
+
+def test_increment_values_are_running_sums_of_the_heads_outputs(single):
+    """critic.value_mode=increments: V(s_t) = V(s_0) + the head's outputs at the response tokens
+    before t. Per token the state mode reads exactly those outputs (at the token before t), so the
+    increments are the state values' running sums; V(s_t) does not see token t (replacing it
+    changes V(s_t+1) onwards only); a token budget's micro-batches give the same values; the
+    update trains on them (its first loss is the clipped value loss of those values)."""
+    got = _result(single, "value_mode")
+    inc, state, mask = (torch.tensor(got[k]) for k in ("inc", "state", "mask"))
+    assert state.abs().max() > 1e-2
+    assert torch.allclose(inc, state.cumsum(-1) * mask, atol=1e-5)
+    assert torch.allclose(torch.tensor(got["inc_budget"]), inc, atol=1e-5)
+    changed, col, rows = torch.tensor(got["inc_changed"]), got["col"], got["rows"]
+    assert len(rows) >= 4
+    assert torch.allclose(changed[rows, :col + 1], inc[rows, :col + 1], atol=1e-6)
+    assert (changed[rows, col + 1:] - inc[rows, col + 1:]).abs().amax(-1).min() > 1e-4
+    assert got["vf"] == pytest.approx(got["vf_host"], rel=1e-5)
 
 
 def _loss_mode_worker(rank, world, dirs, out_file):

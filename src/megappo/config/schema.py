@@ -267,6 +267,7 @@ class CriticConfig:
     ppo_epochs: int = _f(Ref("actor_rollout_ref.actor.ppo_epochs"), "Passes over each batch for the critic.")
     cliprange_value: float = _f(0.5, "Value-clipping range of the clipped value loss.")
     loss_agg_mode: LossAggMode = _f(Ref("actor_rollout_ref.actor.loss_agg_mode"), "Aggregation of the value loss.")
+    value_mode: Literal["state", "increments"] = _f("state", "How the value head's outputs give V(s_t), the value before response token t: state (the output at the token before t, as verl) or increments (the output at the last prompt token plus the running sum of the outputs at the response tokens before t: the head emits each token's change of value, so a token's credit is a feature of that token rather than a count kept over the prefix). On a supervised probe (benchmarks/critic_probe.py, pick_first) increments learnt per-token credit faster; in PPO from random init it measured level with state (docs/benchmarks.md).")
     megatron: MegatronConfig = field(default_factory=lambda: _inherit_megatron(), metadata={"help": "Critic layout; must equal the actor's (one megatron parallel state per process).", "section": True})
 
 

@@ -411,11 +411,32 @@ class AdaptersOff:
 
 
 class Critic(MegatronWorker):
-    """Value model: a GPTModel whose output layer is megappo.models.ValueHead."""
+    """Value model: a GPTModel whose output layer is megappo.models.ValueHead.
+
+    ``value_mode`` (critic.value_mode): how the head's outputs become V(s_t), the value of the
+    state before response token t. ``state``: the output at the token before t (verl's critic).
+    ``increments``: V(s_0) from the last prompt token plus the running sum of the outputs at every
+    response token before t, each read where that token is the newest one in view: the head emits
+    each token's change of value, so a token's own credit is a feature of that token (is it the
+    word the prompt asked for?) instead of a count the network must keep over the prefix. Both
+    can express any value function of the prefix; they learn differently."""
+
+    def __init__(self, chunks, config, *, value_mode: str = "state", **kw):
+        super().__init__(chunks, config, **kw)
+        if value_mode not in ("state", "increments"):
+            raise ValueError(f"critic.value_mode: {value_mode!r}; expected 'state' or 'increments'")
+        self.value_mode = value_mode
 
     def _values(self, output, ids, mb) -> torch.Tensor:
         per_position, _, rows = self._next_token(output[..., 0].float(), ids)
-        return self._response_gather(rows(per_position), mb)
+        if self.value_mode == "state":
+            return self._response_gather(rows(per_position), mb)
+        per_position = rows(per_position)
+        # every position of the response region adds its increment (a tool turn's tokens too: the
+        # state after them includes them); padding adds nothing
+        idx = mb.response_positions.clamp(max=per_position.shape[1] - 1)
+        increments = per_position.gather(1, idx) * mb.valid_mask.to(per_position.dtype)
+        return increments.cumsum(-1) * mb.response_mask
 
     def compute_values(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None,
                        max_token_len: Optional[int] = None) -> torch.Tensor:
