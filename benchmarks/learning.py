@@ -14,6 +14,9 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
               each position: per-token credit)
   pick_last   the same prompts; every response word should be the prompt's LAST word (added after
               the PPO defaults were chosen, to check them on a task they were not measured on)
+  pick_first_warm  pick_first from a warm start (not in the default list): the model fine-tuned
+              for 32 supervised steps to answer the first word (~1/4 of its words right at step 0),
+              actor, reference and critic all from it; target 0.8
   lookup      multi-turn with a tool (not in the default list): "lookup: t13"; the answer is a word
               v0..v7 drawn per row that only the row's `lookup` tool knows; the model must call it
               (one token ends its turn), read "= v5" in the tool turn and answer v5 (score 1; a
@@ -91,6 +94,11 @@ TASKS = {
     "pick_first": dict(response=8, target=0.5, budget=38_400),
     "copy": dict(response=8, target=0.5, budget=38_400),
     "pick_last": dict(response=8, target=0.5, budget=38_400),
+    # pick_first from a warm start: the model first fine-tuned (supervised, 32 steps of 64 prompts,
+    # benchmarks/critic_probe.py's _fine_tuned) to answer the first word, so it samples right words
+    # ~1/4 of the time at step 0 (random init: 1/32), as RL post-training starts from a model that
+    # has the skill in part; actor, reference and critic all start from that model
+    "pick_first_warm": dict(response=8, target=0.8, budget=25_600, setup="pick_first", warm_sft_steps=32),
     # multi-turn with a tool (megappo.rewards.synthetic: lookup); not in the default task list
     "lookup": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_TOOLS),
     "lookup_notools": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_NO_TOOLS),
@@ -164,7 +172,7 @@ SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "ga
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
             "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"],
-            "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
+            "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"], "pick_first_warm": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
 def _poll(proc: subprocess.Popen, out_file: Path, read, target: float, stop_at_target: bool) -> list[dict]:
@@ -255,6 +263,18 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
     return curve
 
 
+def warm_start(paths: dict, sft_steps: int) -> dict:
+    """``paths`` with its model fine-tuned for ``sft_steps`` supervised steps on the task's answer
+    (a folder beside the random-init one, made once per setup)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from critic_probe import _fine_tuned   # here: critic_probe imports this module
+
+    dst = Path(paths["model"]).parent / f"model_sft{sft_steps}"
+    if not (dst / "config.json").exists():
+        _fine_tuned(paths["model"], str(dst), paths["train"], sft_steps)
+    return dict(paths, model=str(dst))
+
+
 def trl_python() -> Path | None:
     py = Path(os.environ.get("TRL_VENV", ROOT / ".venv-trl")) / "bin" / "python"
     return py if py.exists() else None
@@ -263,7 +283,7 @@ def trl_python() -> Path | None:
 def run_trl(task: str, paths: dict, out: Path, steps: int, seed: int, stop_at_target: bool = True) -> list[dict]:
     f = out / f"{task}_trl_s{seed}.jsonl"
     args = [str(trl_python()), str(ROOT / "benchmarks" / "trl_ppo.py"), "--model", paths["model"],
-            "--train", paths["train"], "--task", task, "--steps", str(steps), "--batch-size", str(TRL_BATCH),
+            "--train", paths["train"], "--task", TASKS[task].get("setup", task), "--steps", str(steps), "--batch-size", str(TRL_BATCH),
             "--max-new-tokens", str(TASKS[task]["response"]), "--seed", str(seed), "--out", str(f), "--trl-metrics",
             *TRL_ARGS[task]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
@@ -356,6 +376,8 @@ def main(argv=None) -> int:
         for seed in seeds:
             setup = TASKS[task].get("setup", task)
             paths[task, seed] = make_tiny_setup(str(out / f"setup_{setup}_s{seed}"), task=setup, n_train=8192, seed=seed)
+            if TASKS[task].get("warm_sft_steps"):
+                paths[task, seed] = warm_start(paths[task, seed], TASKS[task]["warm_sft_steps"])
         for method in methods:
             if method == "trl" and task.startswith("lookup"):
                 print(f"  {task}/trl: skipped: TRL's PPOTrainer has no multi-turn tool rollouts", flush=True)

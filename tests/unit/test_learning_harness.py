@@ -98,3 +98,27 @@ def test_compare_medians_then_score_at_budget():
     ok, line = learning.compare([r(None, 0.2), r(None, 0.1), r(5, 0.6)], [r(None, 0.15), r(None, 0.12), r(None, 0.1)])
     assert ok and "0.200 vs 0.120" in line
     assert learning.compare([r(None, 0.1)] * 3, [r(None, 0.11)] * 3)[0] is False
+
+
+def test_a_warm_task_starts_every_method_from_the_fine_tuned_model(tmp_path):
+    """pick_first_warm: the same data as pick_first, the model fine-tuned on the answer (new
+    weights, made once per setup folder), and megappo's runs start from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megappo.data.tiny import make_tiny_setup
+
+    spec = learning.TASKS["pick_first_warm"]
+    assert spec["setup"] == "pick_first" and spec["warm_sft_steps"] > 0
+    paths = make_tiny_setup(str(tmp_path / "s"), task="pick_first", n_train=64, seed=0)
+    warm = learning.warm_start(paths, 2)
+    assert warm["train"] == paths["train"] and warm["model"] != paths["model"]
+    before = load_file(str(Path(paths["model"]) / "model.safetensors"))
+    after = load_file(str(Path(warm["model"]) / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    stamp = (Path(warm["model"]) / "model.safetensors").stat().st_mtime_ns
+    assert learning.warm_start(paths, 2) == warm
+    assert (Path(warm["model"]) / "model.safetensors").stat().st_mtime_ns == stamp   # made once
+    args = learning.megappo_args("gae", "pick_first_warm", warm, tmp_path, 3, 0)
+    assert f"actor_rollout_ref.model.path={warm['model']}" in args
