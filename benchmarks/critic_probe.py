@@ -96,10 +96,11 @@ def _reshaped(src: str, dst: str, shape: dict, seed: int) -> str:
     return dst
 
 
-def _fine_tuned(src: str, dst: str, train: str, steps: int) -> str:
-    """The task's model trained to answer the prompt's first word 8 times (supervised, Adam 1e-3,
-    64 prompts a step; 300 steps bring the loss to ~0.007): a stand-in for an actor that has learnt
-    pick_first, to start the critic from."""
+def _fine_tuned(src: str, dst: str, train: str, steps: int, task: str = "pick_first") -> str:
+    """The task's model trained to give the task's answer (pick_first: the prompt's first word 8
+    times; copy: the prompt's 8 words; supervised, Adam 1e-3, 64 prompts a step; on pick_first
+    300 steps bring the loss to ~0.007): a stand-in for an actor that has learnt the task, to
+    start the critic from, or (a few steps) a model that has the skill in part."""
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,7 +113,9 @@ def _fine_tuned(src: str, dst: str, train: str, steps: int) -> str:
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         rows = [prompts[i] for i in torch.randint(len(prompts), (64,), generator=g).tolist()]
-        ids = torch.tensor([p + [p[1]] * N_WORDS for p in rows])
+        # the prompt is <|user|> w1 .. w8 <|assistant|>
+        answer = {"pick_first": lambda p: [p[1]] * N_WORDS, "copy": lambda p: p[1:1 + N_WORDS]}[task]
+        ids = torch.tensor([p + answer(p) for p in rows])
         labels = ids.clone()
         labels[:, :len(rows[0])] = -100
         loss = model(ids, labels=labels).loss

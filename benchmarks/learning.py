@@ -17,6 +17,7 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
   pick_first_warm  pick_first from a warm start (not in the default list): the model fine-tuned
               for 32 supervised steps to answer the first word (~1/4 of its words right at step 0),
               actor, reference and critic all from it; target 0.8
+  copy_warm   the same for copy (fine-tuned 32 steps on the prompt's 8 words)
   lookup      multi-turn with a tool (not in the default list): "lookup: t13"; the answer is a word
               v0..v7 drawn per row that only the row's `lookup` tool knows; the model must call it
               (one token ends its turn), read "= v5" in the tool turn and answer v5 (score 1; a
@@ -61,7 +62,8 @@ once. By default a run stops once it reaches its task's target (a 5-step running
 score): only the samples to target are measured (--full-budget runs every method to the budget).
 Prints the curves (score and actor entropy), per task and method the median [min, max] over
 seeds of the samples to target (a seed that never reaches it counts as infinite), how many runs
-collapsed (entropy under half its start while the score stayed under twice its start), the
+collapsed (entropy under half its start while the score stayed under twice its start and, for a
+run that starts competent, gained less than a quarter of the way to its best samples), the
 comparisons megappo gae <= grpo and gae1 <= trl, and ends with one JSON line.
 """
 from __future__ import annotations
@@ -99,6 +101,8 @@ TASKS = {
     # ~1/4 of the time at step 0 (random init: 1/32), as RL post-training starts from a model that
     # has the skill in part; actor, reference and critic all start from that model
     "pick_first_warm": dict(response=8, target=0.8, budget=25_600, setup="pick_first", warm_sft_steps=32),
+    # copy from a warm start (a different right word at each position: per-token credit)
+    "copy_warm": dict(response=8, target=0.8, budget=25_600, setup="copy", warm_sft_steps=32),
     # multi-turn with a tool (megappo.rewards.synthetic: lookup); not in the default task list
     "lookup": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_TOOLS),
     "lookup_notools": dict(response=12, target=0.8, budget=64_000, setup="lookup", extra=LOOKUP_NO_TOOLS),
@@ -172,7 +176,8 @@ SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "ga
 TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
             "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"],
-            "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"], "pick_first_warm": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
+            "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"], "pick_first_warm": ["--lr", "3e-4", "--kl-coef", "0.01"],
+            "copy_warm": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
 def _poll(proc: subprocess.Popen, out_file: Path, read, target: float, stop_at_target: bool) -> list[dict]:
@@ -207,6 +212,7 @@ def megappo_curve(metrics_file: Path, per_step: int, per_round: int) -> list[dic
         # the score of everything generated (dynamic sampling's critic/score/mean is of the kept groups)
         score = r.get("train/generated_score_mean", r["critic/score/mean"])
         curve.append({"step": r["step"], "samples": samples, "score": score, "seconds": elapsed,
+                      "score_max": r.get("critic/score/max"),
                       "entropy": r.get("actor/entropy"),
                       # multi-turn: the share of the step's samples that called a tool (about: a sample may call twice)
                       "calls": r["tools/calls"] / per_step if "tools/calls" in r else None})
@@ -263,15 +269,15 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
     return curve
 
 
-def warm_start(paths: dict, sft_steps: int) -> dict:
-    """``paths`` with its model fine-tuned for ``sft_steps`` supervised steps on the task's answer
+def warm_start(paths: dict, sft_steps: int, task: str = "pick_first") -> dict:
+    """``paths`` with its model fine-tuned for ``sft_steps`` supervised steps on ``task``'s answer
     (a folder beside the random-init one, made once per setup)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from critic_probe import _fine_tuned   # here: critic_probe imports this module
 
     dst = Path(paths["model"]).parent / f"model_sft{sft_steps}"
     if not (dst / "config.json").exists():
-        _fine_tuned(paths["model"], str(dst), paths["train"], sft_steps)
+        _fine_tuned(paths["model"], str(dst), paths["train"], sft_steps, task)
     return dict(paths, model=str(dst))
 
 
@@ -305,8 +311,9 @@ def run_trl(task: str, paths: dict, out: Path, steps: int, seed: int, stop_at_ta
 def summarise(curve: list[dict], target: float, budget: int) -> dict:
     """Samples/seconds at the first step whose 5-step running mean reaches ``target``; the mean
     score of the last 5 steps within ``budget`` samples; whether the policy collapsed: its
-    entropy fell below half its start while the score (5-step running mean) stayed under twice
-    its start (the mean of the first 5 steps)."""
+    entropy fell below half its start while the score (5-step running mean) gained less than
+    megappo.metrics.CollapseWatch asks (its start's size, or a quarter of the way to the best
+    sample score seen when the curve has ``score_max``)."""
     hit = None
     for i in range(len(curve)):
         window = curve[max(0, i - 4):i + 1]
@@ -317,7 +324,8 @@ def summarise(curve: list[dict], target: float, budget: int) -> dict:
     from megappo.metrics import CollapseWatch   # the trainer's own rule, so the two cannot drift apart
 
     watch = CollapseWatch()
-    collapsed = any(watch.update({"actor/entropy": r.get("entropy"), "critic/score/mean": r["score"]}) for r in curve)
+    collapsed = any(watch.update({"actor/entropy": r.get("entropy"), "critic/score/mean": r["score"],
+                                  "critic/score/max": r.get("score_max")}) for r in curve)
     return {"samples_to_target": hit["samples"] if hit else None,
             "seconds_to_target": round(hit["seconds"], 1) if hit else None,
             "score_at_budget": round(sum(r["score"] for r in within) / len(within), 4) if within else None,
@@ -377,7 +385,7 @@ def main(argv=None) -> int:
             setup = TASKS[task].get("setup", task)
             paths[task, seed] = make_tiny_setup(str(out / f"setup_{setup}_s{seed}"), task=setup, n_train=8192, seed=seed)
             if TASKS[task].get("warm_sft_steps"):
-                paths[task, seed] = warm_start(paths[task, seed], TASKS[task]["warm_sft_steps"])
+                paths[task, seed] = warm_start(paths[task, seed], TASKS[task]["warm_sft_steps"], setup)
         for method in methods:
             if method == "trl" and task.startswith("lookup"):
                 print(f"  {task}/trl: skipped: TRL's PPOTrainer has no multi-turn tool rollouts", flush=True)

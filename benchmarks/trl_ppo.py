@@ -32,7 +32,7 @@ What TRL gets, and how it matches megappo:
   * lr scheduler constant by default (megappo's default; TRL's is linear decay to 0), AdamW
     with weight decay 0 (TRL's default).
 
-Writes one JSON line per step to ``--out``: {"step", "samples", "score", "seconds"}: the mean
+Writes one JSON line per step to ``--out``: {"step", "samples", "score", "score_max", "seconds"}: the mean
 rule score of the step's batch (before TRL's KL term or any missing-EOS penalty) and the wall
 time since training began (model loading excluded). ``--trl-metrics`` adds TRL's own metrics
 (objective/kl, policy/entropy_avg, ...) to each line. Deterministic given ``--seed`` (CPU, same
@@ -347,6 +347,7 @@ def main(argv=None) -> int:
             backbone.batches.clear()
             line = {"step": state.global_step, "samples": state.episode,
                     "score": round(sum(scores) / len(scores), 6) if scores else math.nan,
+                    "score_max": max(scores) if scores else math.nan,
                     "seconds": round(time.time() - self.t0, 3)}
             if args.trl_metrics:
                 line.update({k: v for k, v in self.logs.items() if k not in line})

@@ -153,12 +153,15 @@ def critic_diagnostics(batch: RolloutBatch, max_response_length: int, group=None
 
 class CollapseWatch:
     """Names the failure in which the policy sharpens without learning: ``actor/entropy`` fell
-    below half its first value while ``critic/score/mean`` (a 5-step running mean) stayed under
-    twice its start (the mean of the first 5 steps). :meth:`update` returns a message the first
-    time it happens (then None)."""
+    below half its first value while ``critic/score/mean`` (a 5-step running mean) gained less
+    than its start's size (it stayed under twice its start) AND less than a quarter of the way
+    from its start to the best sample score seen so far (``critic/score/max``, when logged).
+    The second clause is for runs that start competent: a policy at 0.4 that learns to 0.8 and
+    sharpens on the way cannot double its score (measured: every run of copy from a warm start
+    would have been named). :meth:`update` returns a message the first time it happens (then None)."""
 
     def __init__(self, window: int = 5):
-        self.window, self.entropy0, self.scores, self.fired = window, None, [], False
+        self.window, self.entropy0, self.scores, self.fired, self.best = window, None, [], False, None
 
     def update(self, metrics: dict):
         entropy, score = metrics.get("actor/entropy"), metrics.get("critic/score/mean")
@@ -167,11 +170,17 @@ class CollapseWatch:
         if self.entropy0 is None:
             self.entropy0 = entropy
         self.scores.append(score)
+        best = metrics.get("critic/score/max")
+        if best is not None:
+            self.best = best if self.best is None else max(self.best, best)
         if len(self.scores) < 2 * self.window:
             return None
         start = sum(self.scores[:self.window]) / self.window
         now = sum(self.scores[-self.window:]) / self.window
-        if entropy < 0.5 * self.entropy0 and now < 2 * max(start, 1e-6):
+        needed = max(abs(start), 1e-6)                      # twice the start (scores near 0)
+        if self.best is not None:
+            needed = min(needed, max(self.best - start, 0.0) / 4)   # or a quarter of the headroom seen
+        if entropy < 0.5 * self.entropy0 and now - start < needed:
             self.fired = True
             share = metrics.get("critic/advantages/equal_score_share")
             return (f"actor/entropy fell from {self.entropy0:.3g} to {entropy:.3g} while critic/score/mean stayed at "

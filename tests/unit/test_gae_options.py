@@ -203,6 +203,32 @@ def test_collapse_watch_names_the_failure_once():
                    for i in range(12))
 
 
+def test_collapse_watch_and_a_run_that_starts_competent():
+    """A warm start (copy_warm, seed 0 of GRPO's settings with a critic): 0.38 over the first five
+    steps, 0.63 when the entropy fell under half (step 12), best samples 1.0: it learns, though
+    its score cannot double. The same run with the score flat at its start is named."""
+    from megappo.metrics import CollapseWatch
+
+    scores = [0.42, 0.36, 0.34, 0.36, 0.43, 0.47, 0.55, 0.58, 0.60, 0.62, 0.66, 0.70, 0.72, 0.76]
+    entropy = [2.57, 2.51, 2.55, 2.43, 2.31, 2.13, 1.85, 1.79, 1.64, 1.50, 1.36, 1.21, 1.09, 0.99]
+    best = [0.88, 1.0, 0.88, 0.88, 0.88] + [1.0] * 9
+    run = CollapseWatch()
+    assert not any(run.update({"actor/entropy": e, "critic/score/mean": s, "critic/score/max": b})
+                   for e, s, b in zip(entropy, scores, best))
+    flat = CollapseWatch()
+    msgs = [flat.update({"actor/entropy": e, "critic/score/mean": 0.38, "critic/score/max": b})
+            for e, b in zip(entropy, best)]
+    assert [i for i, m in enumerate(msgs) if m] == [11]   # the first step with entropy under 1.285
+    # without critic/score/max the rule is the doubling one: this learning run would be named
+    doubling = CollapseWatch()
+    assert any(doubling.update({"actor/entropy": e, "critic/score/mean": s}) for e, s in zip(entropy, scores))
+    # scores below zero: gaining less than the start's size, or a quarter of the headroom, is flat
+    neg = CollapseWatch()
+    msgs = [neg.update({"actor/entropy": 4.0 - 0.3 * i, "critic/score/mean": -0.5 + 0.01 * i, "critic/score/max": 1.0})
+            for i in range(12)]
+    assert [i for i, m in enumerate(msgs) if m] == [9]
+
+
 def _group_shift_reference(rewards, values, mask, index, gamma, lam, eps=1e-6):
     """Per sample, by hand: GAE on values shifted so that V(s_0) = the group's mean score, over the
     group's std; 0 for equal scores."""

@@ -30,6 +30,16 @@ def test_collapse_flag():
     assert not learning.summarise(_curve(rising, [4.0 - 0.15 * i for i in range(20)]), 0.99, 10**9)["collapsed"]
 
 
+def test_collapse_flag_of_a_warm_start_reads_the_best_samples():
+    """copy_warm: 0.38 -> 0.63 as the entropy halves; with the best sample score in the curve it
+    learns, without it (the doubling rule alone) it would be flagged."""
+    scores = [0.42, 0.36, 0.34, 0.36, 0.43, 0.47, 0.55, 0.58, 0.60, 0.62, 0.66, 0.70]
+    entropy = [2.57, 2.51, 2.55, 2.43, 2.31, 2.13, 1.85, 1.79, 1.64, 1.50, 1.36, 1.21]
+    curve = _curve(scores, entropy)
+    assert learning.summarise(curve, 0.99, 10**9)["collapsed"]
+    assert not learning.summarise([dict(r, score_max=1.0) for r in curve], 0.99, 10**9)["collapsed"]
+
+
 def test_median_counts_a_missed_target_as_infinite():
     assert learning.median_spread([1000, None, 3000]) == (3000, 1000, None)
     assert learning.median_spread([1000, None, None]) == (None, 1000, None)
