@@ -110,11 +110,11 @@ def _fine_tuned(src: str, dst: str, train: str, steps: int, task: str = "pick_fi
                for m in pd.read_parquet(train)["prompt"]]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # the prompt is <|user|> w1 .. w8 <|assistant|>
+    answer = {"pick_first": lambda p: [p[1]] * N_WORDS, "copy": lambda p: p[1:1 + N_WORDS]}[task]
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         rows = [prompts[i] for i in torch.randint(len(prompts), (64,), generator=g).tolist()]
-        # the prompt is <|user|> w1 .. w8 <|assistant|>
-        answer = {"pick_first": lambda p: [p[1]] * N_WORDS, "copy": lambda p: p[1:1 + N_WORDS]}[task]
         ids = torch.tensor([p + answer(p) for p in rows])
         labels = ids.clone()
         labels[:, :len(rows[0])] = -100

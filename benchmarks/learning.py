@@ -129,14 +129,12 @@ MEGAPPO = {
              "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=3e-4",
              "actor_rollout_ref.actor.optim.clip_grad=0", "critic.optim.clip_grad=0",
              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
-    # gae1 with megappo's (verl's) defaults where TRL differs: gradient-norm clip 1.0, critic lr 1e-3
-    "gae1_clip": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0",
-                  "actor_rollout_ref.rollout.n=1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                  "actor_rollout_ref.actor.ppo_epochs=4", "actor_rollout_ref.actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
-                  "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3"],
 }
+# gae1 with megappo's (verl's) defaults where TRL's differ: gradient-norm clip 1.0, critic lr 1e-3
+MEGAPPO["gae1_clip"] = [o for o in MEGAPPO["gae1"] if "clip_grad" not in o and not o.startswith("critic.optim.lr")] + [
+    "critic.optim.lr=1e-3"]
 # Other policy losses (actor.policy_loss.loss_mode) on GRPO's advantages and settings; GSPO with
 # its paper's clip ranges (its ratio is a per-token mean, so they are ~1000x smaller than PPO's).
 for _mode, _extra in (("gspo", ["actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"]),
