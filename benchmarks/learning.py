@@ -18,6 +18,7 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
               for 32 supervised steps to answer the first word (~1/4 of its words right at step 0),
               actor, reference and critic all from it; target 0.8
   copy_warm   the same for copy (fine-tuned 32 steps on the prompt's 8 words)
+  pick_first_warm16, copy_warm16  the same after 16 supervised steps (~0.045 at step 0; budget 38,400)
   lookup      multi-turn with a tool (not in the default list): "lookup: t13"; the answer is a word
               v0..v7 drawn per row that only the row's `lookup` tool knows; the model must call it
               (one token ends its turn), read "= v5" in the tool turn and answer v5 (score 1; a
@@ -101,6 +102,10 @@ TASKS = {
     # ~1/4 of the time at step 0 (random init: 1/32), as RL post-training starts from a model that
     # has the skill in part; actor, reference and critic all start from that model
     "pick_first_warm": dict(response=8, target=0.8, budget=25_600, setup="pick_first", warm_sft_steps=32),
+    # less warm: 16 supervised steps leave the model at ~0.045 (random init: 0.03), but its trunk
+    # has begun the lookup; runs of 50-150 steps give the critic room to matter
+    "pick_first_warm16": dict(response=8, target=0.8, budget=38_400, setup="pick_first", warm_sft_steps=16),
+    "copy_warm16": dict(response=8, target=0.8, budget=38_400, setup="copy", warm_sft_steps=16),
     # copy from a warm start (a different right word at each position: per-token credit)
     "copy_warm": dict(response=8, target=0.8, budget=25_600, setup="copy", warm_sft_steps=32),
     # multi-turn with a tool (megappo.rewards.synthetic: lookup); not in the default task list
@@ -175,6 +180,7 @@ TRL_BATCH = 32
 TRL_ARGS = {"words": ["--lr", "3e-4", "--kl-coef", "0.01"], "echo": ["--lr", "1e-4", "--kl-coef", "0.01"],
             "pick_first": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy": ["--lr", "3e-4", "--kl-coef", "0.01"],
             "pick_last": ["--lr", "3e-4", "--kl-coef", "0.01"], "pick_first_warm": ["--lr", "3e-4", "--kl-coef", "0.01"],
+            "pick_first_warm16": ["--lr", "3e-4", "--kl-coef", "0.01"], "copy_warm16": ["--lr", "3e-4", "--kl-coef", "0.01"],
             "copy_warm": ["--lr", "3e-4", "--kl-coef", "0.01"]}  # tuned (see trl_ppo.py)
 
 
