@@ -29,7 +29,7 @@ Tasks (megappo.rewards.synthetic; a tiny random-init Qwen3-style model per task 
 Methods (see MEGAPPO and TRL_ARGS):
   gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings,
              every other key at megappo's default (for gae with n > 1: gae_adv_norm group_cv, lam 1,
-             critic.ppo_epochs 8, critic betas 0.9/0.95)
+             critic betas 0.9/0.95, one critic pass; until 2026-12-05 8 passes: gae_cv_fit)
   gae_batch  what gae was before those defaults: verl's batch whitening, lam 0.95, one critic pass
   gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
   gae_centred  the same with algorithm.gae_adv_norm=group_centred and lam 1: GRPO's advantage plus
@@ -38,8 +38,10 @@ Methods (see MEGAPPO and TRL_ARGS):
              critic.optim.betas=[0.9,0.95])
   gae_cv     algorithm.gae_adv_norm=group_cv, lam 1: gae_centred with the critic's correction
              weighted by how much of the outcome it explains on the batch (0 = GRPO's advantage)
-  gae_cv_fit gae_cv with gae_centred_fit's critic settings (the same run as gae)
-  gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only; and with 4 passes
+  gae_cv_fit gae_cv with gae_centred_fit's critic settings (the defaults until 2026-12-05: 8 critic passes)
+  gae_cv_b95, gae_cv_fit4   gae_cv with the critic's betas 0.9/0.95 only (the same run as gae); and with 4 passes
+  gae_cmb4, gae_cmb2   gae_cv_b95 with the critic's one pass in mini-batches of 4 or 2 prompts (8 or 16
+             critic optimizer steps per batch at one pass's compute)
   gae_inc    gae with critic.value_mode=increments (V(s_t) = V(s_0) + the running sum of one head
              output per response token before t)
   grpo       megappo GRPO (no critic), n=8
@@ -117,8 +119,8 @@ DEFAULT_TASKS = ("words", "echo", "pick_first", "copy")
 # Settings per method. Both megappo methods see batch x n samples per step.
 MEGAPPO = {
     # megappo's PPO with a critic as a user gets it at GRPO's settings: every other key at its
-    # default (for gae with n > 1: gae_adv_norm group_cv, lam 1, critic.ppo_epochs 8, critic betas
-    # 0.9/0.95; megappo.config.GAE_GROUP_DEFAULTS)
+    # default (for gae with n > 1: gae_adv_norm group_cv, lam 1, critic betas 0.9/0.95, one critic
+    # pass; megappo.config.GAE_GROUP_DEFAULTS)
     "gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=8", "data.train_batch_size=32",
             "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3"],
     # what "gae" meant before those defaults: verl's batch whitening, lam 0.95, one critic pass
@@ -166,6 +168,10 @@ MEGAPPO["gae_inc"] = MEGAPPO["gae"] + ["critic.value_mode=increments"]
 # how much of the fit the passes buy: the short second-moment memory alone, and 4 passes
 MEGAPPO["gae_cv_b95"] = MEGAPPO["gae_cv"] + ["critic.optim.betas=[0.9,0.95]"]
 MEGAPPO["gae_cv_fit4"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=4", "critic.optim.betas=[0.9,0.95]"]
+# one critic pass in smaller mini-batches: the optimizer steps of several passes at one pass's
+# compute (critic.ppo_mini_batch_size 4 or 2 prompts: 8 or 16 critic steps per batch of 32 prompts)
+MEGAPPO["gae_cmb4"] = MEGAPPO["gae_cv"] + ["critic.ppo_mini_batch_size=4", "critic.optim.betas=[0.9,0.95]"]
+MEGAPPO["gae_cmb2"] = MEGAPPO["gae_cv"] + ["critic.ppo_mini_batch_size=2", "critic.optim.betas=[0.9,0.95]"]
 # LoRA (rank 8, alpha 16) on gae's settings: the actor's base frozen, adapters at 3x the full
 # fine-tuning lr (benchmarks/lora.py: on echo 3e-3 reached the target first of 1e-3 and 3e-3);
 # all-linear, or attention only (q, k, v, o)
@@ -174,7 +180,7 @@ _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_al
 MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_cmb4": 256, "gae_cmb2": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 # TRL's lr per task, tuned for TRL (see trl_ppo.py): 3e-4, and 1e-4 on echo; KL 0.01 in the reward.

@@ -145,8 +145,9 @@ def test_config_validation_of_the_gae_options():
 
 
 def test_gae_defaults_fill_only_the_keys_nobody_set(tmp_path):
-    """adv_estimator=gae with several samples per prompt: group_cv and the harder-fitted critic
-    where the keys are unset; verl's meaning wherever a file or the command line set them."""
+    """adv_estimator=gae with several samples per prompt: group_cv and the critic's short Adam
+    memory where the keys are unset; verl's meaning wherever a file or the command line set them.
+    The critic's passes stay verl's (the actor's ppo_epochs): 8 passes cost ~3.5x GRPO's step."""
     from megappo.config import GAE_GROUP_DEFAULTS, load_config, source_of, validate
 
     def cfg_of(*overrides, files=("tiny_cpu",)):
@@ -157,11 +158,11 @@ def test_gae_defaults_fill_only_the_keys_nobody_set(tmp_path):
         return (al.gae_adv_norm, cr.ppo_epochs, list(cr.optim.betas)), sources
 
     verl = ("batch", 1, [0.9, 0.999])
-    grouped = (GAE_GROUP_DEFAULTS["algorithm.gae_adv_norm"], GAE_GROUP_DEFAULTS["critic.ppo_epochs"],
-               GAE_GROUP_DEFAULTS["critic.optim.betas"])
+    grouped = (GAE_GROUP_DEFAULTS["algorithm.gae_adv_norm"], 1, GAE_GROUP_DEFAULTS["critic.optim.betas"])
     got, sources = cfg_of("actor_rollout_ref.rollout.n=8")
-    assert got == grouped and grouped[0] == "group_cv"
-    assert source_of(sources, "critic.ppo_epochs") == "the defaults of adv_estimator=gae with rollout.n > 1"
+    assert got == grouped and grouped[0] == "group_cv" and grouped[2] != verl[2]
+    assert source_of(sources, "critic.optim.betas") == "the defaults of adv_estimator=gae with rollout.n > 1"
+    assert source_of(sources, "critic.ppo_epochs") == "the defaults"          # verl's: the actor's passes
     assert cfg_of("actor_rollout_ref.rollout.n=1")[0] == verl                       # no groups
     assert cfg_of("actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=grpo")[0] == verl
     assert cfg_of("actor_rollout_ref.rollout.n=8", "algorithm.gae_adv_norm=batch")[0] == verl   # chosen: nothing filled
@@ -171,7 +172,7 @@ def test_gae_defaults_fill_only_the_keys_nobody_set(tmp_path):
     assert cfg_of("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_epochs=3")[0] == (grouped[0], 3, grouped[2])
     y = tmp_path / "mine.yaml"
     y.write_text("critic:\n  optim:\n    betas: [0.8, 0.99]\n")
-    assert cfg_of("actor_rollout_ref.rollout.n=8", files=("tiny_cpu", str(y)))[0] == (grouped[0], grouped[1], [0.8, 0.99])
+    assert cfg_of("actor_rollout_ref.rollout.n=8", files=("tiny_cpu", str(y)))[0] == (grouped[0], 1, [0.8, 0.99])
     # the actor's betas are never touched
     assert list(load_config(["actor_rollout_ref.rollout.n=8"], ("tiny_cpu",)).actor_rollout_ref.actor.optim.betas) == [0.9, 0.999]
 
