@@ -170,8 +170,8 @@ MEGAPPO["gae_cv_b95"] = MEGAPPO["gae_cv"] + ["critic.optim.betas=[0.9,0.95]"]
 MEGAPPO["gae_cv_fit4"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=4", "critic.optim.betas=[0.9,0.95]"]
 # one critic pass in smaller mini-batches: the optimizer steps of several passes at one pass's
 # compute (critic.ppo_mini_batch_size 4 or 2 prompts: 8 or 16 critic steps per batch of 32 prompts)
-MEGAPPO["gae_cmb4"] = MEGAPPO["gae_cv"] + ["critic.ppo_mini_batch_size=4", "critic.optim.betas=[0.9,0.95]"]
-MEGAPPO["gae_cmb2"] = MEGAPPO["gae_cv"] + ["critic.ppo_mini_batch_size=2", "critic.optim.betas=[0.9,0.95]"]
+MEGAPPO["gae_cmb4"] = MEGAPPO["gae_cv_b95"] + ["critic.ppo_mini_batch_size=4"]
+MEGAPPO["gae_cmb2"] = MEGAPPO["gae_cv_b95"] + ["critic.ppo_mini_batch_size=2"]
 # LoRA (rank 8, alpha 16) on gae's settings: the actor's base frozen, adapters at 3x the full
 # fine-tuning lr (benchmarks/lora.py: on echo 3e-3 reached the target first of 1e-3 and 3e-3);
 # all-linear, or attention only (q, k, v, o)
