@@ -297,6 +297,27 @@ def test_value_loss(mode):
     assert 0 < sum(fr) < len(fr)
 
 
+
+def test_value_clipfrac_counts_only_clipped_tokens():
+    """float32 values and predictions that moved less than the clip range: nothing is clipped, so
+    the clip fraction is exactly 0 and the loss is the plain squared error (round-off in the clip
+    once counted ~10% of such tokens as clipped)."""
+    g = torch.Generator().manual_seed(3)
+    values = 0.05 + torch.rand(64, 16, generator=g) * 0.1
+    returns = torch.rand(64, 16, generator=g)
+    vpreds = (torch.rand(64, 16, generator=g) - 0.5) * 2e-3     # moved by < 0.15, inside the clip 0.2
+    mask = torch.ones(64, 16)
+    loss, clipfrac = algo.value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
+    assert clipfrac.item() == 0.0
+    assert loss.item() == pytest.approx(0.5 * (vpreds - returns).square().mean().item(), rel=1e-6)
+    # rows moved past the clip towards their return (the clip holds them back) are the clipped ones
+    far = vpreds.clone()
+    far[:8] = values[:8] + 0.5
+    far_returns = returns.clone()
+    far_returns[:8] = values[:8] + 1.0
+    _, clipfrac = algo.value_loss(far, far_returns, values, mask, cliprange_value=0.2)
+    assert clipfrac.item() == pytest.approx(8 / 64)
+
 def test_entropy_from_logits():
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(3, 4, 17, generator=g, dtype=DT) * 4
