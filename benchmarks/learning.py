@@ -49,6 +49,8 @@ Methods (see MEGAPPO and TRL_ARGS):
              mini-batches, TRL's lr for the task (3e-4; 1e-4 on echo) for actor and critic, no
              gradient clipping, KL 0.01 in the reward): TRL's PPO settings
   gae1_clip  gae1 with megappo's (verl's) defaults where TRL's differ: clip 1.0, critic lr 1e-3
+  gae1_trl   gae1 with TRL's choices in every other key verl sets otherwise: value clip 0.2, a
+             random value head, weight decay 0, no dual clip, mini-batches shuffled every epoch
   trl        TRL 1.12's PPOTrainer (GAE, separate value model) at those settings, from its own
              venv, which a full run creates when missing (bash benchmarks/setup_trl.sh; TRL_VENV
              to put it elsewhere); --quick skips TRL, saying so, when the venv is missing
@@ -142,6 +144,13 @@ MEGAPPO = {
 # gae1 with megappo's (verl's) defaults where TRL's differ: gradient-norm clip 1.0, critic lr 1e-3
 MEGAPPO["gae1_clip"] = [o for o in MEGAPPO["gae1"] if "clip_grad" not in o and not o.startswith("critic.optim.lr")] + [
     "critic.optim.lr=1e-3"]
+# gae1 with every other setting where TRL's PPOTrainer differs from verl's defaults: value clip 0.2
+# (verl 0.5), a random value head (std 0.02, as a new AutoModelForSequenceClassification head; verl's
+# starts at 0), no weight decay (verl 0.01), no dual clip (verl 3.0), and a new random order of the
+# batch for every epoch's mini-batches (verl: the same mini-batches every epoch)
+MEGAPPO["gae1_trl"] = MEGAPPO["gae1"] + [
+    "critic.cliprange_value=0.2", "critic.model.value_head_init_std=0.02", "actor_rollout_ref.actor.optim.weight_decay=0",
+    "critic.optim.weight_decay=0", "actor_rollout_ref.actor.clip_ratio_c=1e9", "actor_rollout_ref.actor.shuffle=true"]
 # Other policy losses (actor.policy_loss.loss_mode) on GRPO's advantages and settings; GSPO with
 # its paper's clip ranges (its ratio is a per-token mean, so they are ~1000x smaller than PPO's).
 for _mode, _extra in (("gspo", ["actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"]),
@@ -180,7 +189,7 @@ _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_al
 MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_cmb4": 256, "gae_cmb2": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_cmb4": 256, "gae_cmb2": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "gae1_trl": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 # TRL's lr per task, tuned for TRL (see trl_ppo.py): 3e-4, and 1e-4 on echo; KL 0.01 in the reward.
@@ -246,10 +255,10 @@ def megappo_args(method: str, task: str, paths: dict, run_dir: Path, steps: int,
 def trl_lr(method: str, task: str) -> list[str]:
     """At TRL's settings megappo takes the lr TRL runs the task with (TRL_ARGS: tuned for TRL, 1e-4
     on echo), for policy and value model alike (TRL's one optimizer); gae1_clip for the policy only."""
-    if method not in ("gae1", "gae1_clip") or task not in TRL_ARGS:
+    if method not in ("gae1", "gae1_clip", "gae1_trl") or task not in TRL_ARGS:
         return []
     lr = TRL_ARGS[task][TRL_ARGS[task].index("--lr") + 1]
-    return [f"actor_rollout_ref.actor.optim.lr={lr}"] + ([f"critic.optim.lr={lr}"] if method == "gae1" else [])
+    return [f"actor_rollout_ref.actor.optim.lr={lr}"] + ([f"critic.optim.lr={lr}"] if method != "gae1_clip" else [])
 
 
 def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),

@@ -9,14 +9,18 @@ prompts are split over rollout replicas, the placement, or whether the run was r
   (vLLM adds the sample index for each of the ``n`` children);
 - :func:`turn_seed`: a multi-turn sample's model turn ``k`` (turn 0 draws what one turn would);
 - :func:`mini_batch_seed`: the seed of one PPO mini-batch's random choices (Clip-Cov's tokens),
-  from the optimizer's step count, which a resumed run restores.
+  from the optimizer's step count, which a resumed run restores;
+- :func:`epoch_order`: the order of a batch's rows in one PPO epoch (``actor.shuffle``,
+  ``actor.data_loader_seed``), from the same step count.
 
 Model initialisation and vLLM's engine take ``actor_rollout_ref.actor.megatron.seed`` as it is.
 """
 from __future__ import annotations
 
+import torch
+
 __all__ = ["TRAIN", "VALIDATION", "dynamic_round_salt", "epoch_seed", "batch_seed", "prompt_seed",
-           "turn_seed", "mini_batch_seed"]
+           "turn_seed", "mini_batch_seed", "epoch_order"]
 
 TRAIN, VALIDATION = 0, 1
 
@@ -51,3 +55,10 @@ def turn_seed(sample_seed: int, turn: int) -> int:
 def mini_batch_seed(optimizer_steps: int, epoch: int, index: int) -> int:
     """Mini-batch ``index`` of PPO epoch ``epoch``, after ``optimizer_steps`` optimizer steps."""
     return (optimizer_steps * 1_000 + epoch) * 100_003 + index
+
+
+def epoch_order(rows: int, loader_seed: int, optimizer_steps: int, epoch: int) -> torch.Tensor:
+    """A permutation of ``rows``: the order PPO epoch ``epoch`` takes a batch's rows in, after
+    ``optimizer_steps`` optimizer steps, when mini-batches are shuffled."""
+    g = torch.Generator().manual_seed((loader_seed * 1_000_003 + optimizer_steps * 1_009 + epoch) % (1 << 63))
+    return torch.randperm(rows, generator=g)

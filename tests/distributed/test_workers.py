@@ -72,7 +72,7 @@ def single(model_dir, tmp_path_factory):
     runs = {"reference": (_worker, (1, 1, 2, model_dir)), "lr": (_lr_worker, (model_dir,)), "hfgrad": (_hf_grad_worker, (model_dir,)),
             "value_mode": (_value_mode_worker, (model_dir,)),
             "modes": (_loss_mode_worker, (model_dir,)), "is": (_rollout_is_worker, (model_dir,)),
-            "rs": (_rejection_worker, (model_dir,))}
+            "rs": (_rejection_worker, (model_dir,)), "shuffle": (_shuffle_worker, (model_dir,))}
     outs = {name: str(root / f"{name}.json") for name in runs}
     spawn_each(1, [(fn, (*args, outs[name]), outs[name] + ".error") for name, (fn, args) in runs.items()])
     return outs
@@ -341,3 +341,47 @@ def test_rejection_sampling_reaches_the_actor_loss(single):
     for mode, (actor, want, plain) in got.items():
         assert actor == pytest.approx(want, abs=1e-5), mode
         assert abs(want - plain) > 1e-3, mode    # without the mask the loss would differ
+
+
+def _shuffle_worker(rank, world, dirs, out_file):
+    """Two PPO epochs with shuffled mini-batches, and the same updates taken by hand: each epoch
+    as one unshuffled epoch over the batch's rows in seeds.epoch_order's order."""
+    setup(1, 1)
+    from megappo import seeds
+    from megappo.workers import Actor, Critic
+
+    path = os.path.join(dirs, "qwen3")
+    out = {}
+    for shuffled in (True, False):
+        info, cfg, chunks = build(path, 1, 1)
+        actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.5, clip_grad=1.0, optimizer="sgd",
+                      use_distributed_optimizer=False)
+        _, ccfg, cchunks = build(path, 1, 1, value_head=True)
+        critic = Critic(cchunks, ccfg, lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
+        batch = _global_batch()
+        batch.old_log_prob = actor.compute_log_prob(batch, 4)
+        batch.values = critic.compute_values(batch, 4)
+        if shuffled:
+            a = actor.update_policy(batch, mini_batch_size=M, micro_batch_size=2, ppo_epochs=2, shuffle_seed=7)
+            c = critic.update_critic(batch, mini_batch_size=M, micro_batch_size=2, ppo_epochs=2, shuffle_seed=7)
+            pg, vf = a["actor/pg_loss_per_minibatch"], c["critic/vf_loss_per_minibatch"]
+        else:
+            pg, vf = [], []
+            for epoch in range(2):
+                rows = batch.select(seeds.epoch_order(B, 7, 0, epoch))
+                pg += actor.update_policy(rows, mini_batch_size=M, micro_batch_size=2)["actor/pg_loss_per_minibatch"]
+                vf += critic.update_critic(rows, mini_batch_size=M, micro_batch_size=2)["critic/vf_loss_per_minibatch"]
+        out["shuffled" if shuffled else "by_hand"] = {"pg": pg, "vf": vf}
+        out.setdefault("first_rows", sorted(seeds.epoch_order(B, 7, 0, 0)[:M].tolist()))
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+
+
+def test_shuffled_mini_batches_take_each_epoch_in_a_new_order(single):
+    """actor/critic.shuffle: each PPO epoch splits a new permutation of the batch (the same
+    updates as taking the permuted rows by hand, loss for loss), not the batch in its order."""
+    got = _result(single, "shuffle")
+    assert len(got["shuffled"]["pg"]) == len(got["shuffled"]["vf"]) == 4   # 2 mini-batches x 2 epochs
+    for key in ("pg", "vf"):
+        assert got["shuffled"][key] == pytest.approx(got["by_hand"][key], rel=1e-6, abs=1e-9)
+    assert got["first_rows"] != list(range(M))   # the order is not the batch's own

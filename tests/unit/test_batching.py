@@ -147,3 +147,41 @@ def test_each_pass_reads_its_own_keys():
     # unset, they follow verl's references: ref <- rollout, critic forward <- critic ppo
     d = PassBatching.from_config(load_config([], ["tiny_cpu"]))
     assert d.ref == d.old_log_prob and d.values == d.critic and d.critic_mini_batch == d.actor_mini_batch
+
+
+def test_shuffle_reaches_both_updates_with_its_seed(monkeypatch):
+    """actor.shuffle / data_loader_seed (verl's keys) reach the actor's and the critic's update as
+    its shuffle seed; the critic follows the actor unless set; off by default (verl's default)."""
+    from megappo.config import load_config
+    from megappo.trainer import phases
+    from megappo.workers import PassBatching
+
+    A = "actor_rollout_ref.actor."
+    monkeypatch.setattr(phases, "check_finite", lambda *a, **k: None)
+
+    class Worker:
+        chunks = []
+
+        def __init__(self):
+            self.seen = {}
+
+        def update_policy(self, batch, **kw):
+            self.seen = kw
+            return {}
+
+        update_critic = update_policy
+
+        def offload(self, **kw):
+            pass
+
+    def seeds_seen(overrides):
+        cfg = load_config(["algorithm.adv_estimator=gae", *overrides], ["tiny_cpu"])
+        batching, actor, critic = PassBatching.from_config(cfg), Worker(), Worker()
+        phases.update_actor(actor, None, cfg, batching, None, 1, 1, "cpu")
+        phases.update_critic(critic, None, cfg, batching, None, 1, 1, "cpu")
+        return actor.seen["shuffle_seed"], critic.seen["shuffle_seed"]
+
+    assert seeds_seen([]) == (None, None)
+    assert seeds_seen([A + "shuffle=true"]) == (42, 42)
+    assert seeds_seen([A + "shuffle=true", A + "data_loader_seed=5", "critic.shuffle=false"]) == (5, None)
+    assert seeds_seen(["critic.shuffle=true", "critic.data_loader_seed=9"]) == (None, 9)

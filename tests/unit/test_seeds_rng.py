@@ -35,3 +35,12 @@ def test_salts_and_steps_give_distinct_batches():
     assert seeds.epoch_seed(1, 0) != seeds.epoch_seed(1, 1) != seeds.epoch_seed(2, 0)
     mini = {seeds.mini_batch_seed(s, e, i) for s in range(20) for e in range(4) for i in range(8)}
     assert len(mini) == 20 * 4 * 8
+
+
+def test_epoch_orders_are_permutations_that_change_with_step_and_epoch():
+    orders = {(s, e): seeds.epoch_order(16, 42, s, e) for s in range(6) for e in range(4)}
+    for order in orders.values():
+        assert sorted(order.tolist()) == list(range(16))
+    assert len({tuple(o.tolist()) for o in orders.values()}) == len(orders)
+    assert torch.equal(seeds.epoch_order(16, 42, 3, 1), orders[3, 1])        # a resumed run draws the same
+    assert not torch.equal(seeds.epoch_order(16, 7, 3, 1), orders[3, 1])      # data_loader_seed matters

@@ -92,6 +92,7 @@ def update_critic(critic, batch: RolloutBatch, cfg, batching, loss, dp: int, ste
     then its offloadable state leaves the device (the critic is done for this step)."""
     per_rank = batching.critic_mini_batch * cfg.actor_rollout_ref.rollout.n // dp
     metrics = critic.update_critic(batch, mini_batch_size=per_rank, ppo_epochs=cfg.critic.ppo_epochs, loss=loss,
+                                   shuffle_seed=cfg.critic.data_loader_seed if cfg.critic.shuffle else None,
                                    **batching.critic.kwargs())
     check_finite_metrics("update_critic", metrics, "critic/", step)
     check_finite(step, device, "update_critic", critic_weights=_any_nonfinite(critic))
@@ -103,8 +104,9 @@ def update_actor(actor, batch: RolloutBatch, cfg, batching, loss, dp: int, step:
     """PPO epochs of the policy, checked finite; its gradients and optimizer state may leave the
     device now, its weights after the sync."""
     per_rank = batching.actor_mini_batch * cfg.actor_rollout_ref.rollout.n // dp
-    metrics = actor.update_policy(batch, mini_batch_size=per_rank, ppo_epochs=cfg.actor_rollout_ref.actor.ppo_epochs,
-                                  loss=loss, **batching.actor.kwargs())
+    a = cfg.actor_rollout_ref.actor
+    metrics = actor.update_policy(batch, mini_batch_size=per_rank, ppo_epochs=a.ppo_epochs, loss=loss,
+                                  shuffle_seed=a.data_loader_seed if a.shuffle else None, **batching.actor.kwargs())
     check_finite_metrics("update_actor", metrics, "actor/", step)
     check_finite(step, device, "update_actor", actor_weights=_any_nonfinite(actor))
     actor.offload(params=False)

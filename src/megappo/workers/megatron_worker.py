@@ -216,8 +216,9 @@ class MegatronWorker:
         return self._gather_rows(outs, "out", order, keep, (B, k, T) if k else (B, T))
 
     def _train(self, batch: RolloutBatch, *, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs,
-               make_loss, keys, prepare=None) -> dict[str, list]:
-        """``ppo_epochs`` x this rank's mini-batches, one optimizer step each.
+               make_loss, keys, prepare=None, shuffle_seed: Optional[int] = None) -> dict[str, list]:
+        """``ppo_epochs`` x this rank's mini-batches, one optimizer step each; with ``shuffle_seed``
+        each epoch splits a new random order of the rows (seeds.epoch_order), else the batch as it is.
 
         ``make_loss(norm)`` returns the micro-batch loss function given the mini-batch's global
         normalisers; its metric dict holds micro-batch parts that add up (over micro-batches and
@@ -230,15 +231,18 @@ class MegatronWorker:
         router = RouterStats(self.chunks, self.config, self.device)   # MoE: router losses and expert load
         with router:
             self._epochs(batch, history, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs, make_loss, keys,
-                         prepare)
+                         prepare, shuffle_seed)
         history.update({k: [v] for k, v in router.metrics().items()})
         self.scheduler.step(increment=1)
         return history
 
     def _epochs(self, batch, history, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs, make_loss, keys,
-                prepare) -> None:
+                prepare, shuffle_seed) -> None:
+        steps = int(self.scheduler.num_steps)   # restored on resume: so are the orders
         for epoch in range(ppo_epochs):
-            for i, mini in enumerate(batch.split(mini_batch_size)):
+            rows = batch if shuffle_seed is None else batch.select(
+                seeds.epoch_order(len(batch), shuffle_seed, steps, epoch).to(batch.responses.device))
+            for i, mini in enumerate(rows.split(mini_batch_size)):
                 if prepare is not None:
                     # the scheduler's step count survives a resume: so does the sequence of seeds
                     mini = prepare(mini, seeds.mini_batch_seed(int(self.scheduler.num_steps), epoch, i))
@@ -322,7 +326,7 @@ class Actor(MegatronWorker):
 
     def update_policy(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None, ppo_epochs: int = 1,
-                      loss: algo.PolicyLossSpec = algo.PolicyLossSpec()) -> dict:
+                      loss: algo.PolicyLossSpec = algo.PolicyLossSpec(), shuffle_seed: Optional[int] = None) -> dict:
         """PPO epochs over this rank's mini-batches (``mini_batch_size`` samples per rank).
         Returns per-mini-batch global losses and verl-named averages."""
         def make_loss(norm):
@@ -379,7 +383,8 @@ class Actor(MegatronWorker):
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
                               max_token_len=max_token_len, ppo_epochs=ppo_epochs, make_loss=make_loss,
                               keys=("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"),
-                              prepare=select_cov_tokens if loss.loss_mode in algo.COV_LOSSES else None)
+                              prepare=select_cov_tokens if loss.loss_mode in algo.COV_LOSSES else None,
+                              shuffle_seed=shuffle_seed)
         metrics = {f"actor/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["actor/pg_loss_per_minibatch"] = history["pg_loss"]
         if cov_share:
@@ -444,7 +449,7 @@ class Critic(MegatronWorker):
 
     def update_critic(self, batch: RolloutBatch, *, mini_batch_size: int, micro_batch_size: Optional[int] = None,
                       max_token_len: Optional[int] = None, ppo_epochs: int = 1,
-                      loss: algo.ValueLossSpec = algo.ValueLossSpec()) -> dict:
+                      loss: algo.ValueLossSpec = algo.ValueLossSpec(), shuffle_seed: Optional[int] = None) -> dict:
         def make_loss(norm):
             def loss_fn(mb, ids, output):
                 vf, clipfrac = algo.value_loss(self._values(output, ids, mb), mb.returns, mb.values, mb.loss_mask,
@@ -456,7 +461,7 @@ class Critic(MegatronWorker):
 
         history = self._train(batch, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
                               max_token_len=max_token_len, ppo_epochs=ppo_epochs, make_loss=make_loss,
-                              keys=("vf_loss", "vf_clipfrac"))
+                              keys=("vf_loss", "vf_clipfrac"), shuffle_seed=shuffle_seed)
         metrics = {f"critic/{k}": sum(v) / len(v) for k, v in history.items() if v}
         metrics["critic/vf_loss_per_minibatch"] = history["vf_loss"]
         return metrics
