@@ -69,7 +69,7 @@ Prints the curves (score and actor entropy), per task and method the median [min
 seeds of the samples to target (a seed that never reaches it counts as infinite), how many runs
 collapsed (entropy under half its start while the score stayed under twice its start and, for a
 run that starts competent, gained less than a quarter of the way to its best samples), the
-comparisons megappo gae <= grpo and gae1 <= trl, and ends with one JSON line.
+comparisons megappo gae <= grpo, gae1 <= trl and gae1_trl <= trl, and ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     # megappo's PPO with a critic against its own GRPO (same settings) and TRL's PPO (TRL's settings)
     print()
     for task in (t for t in tasks if t != "lookup_notools"):   # that one reaches no target by construction
-        for ppo, other in (("gae", "grpo"), ("gae1", "trl")):
+        for ppo, other in (("gae", "grpo"), ("gae1", "trl"), ("gae1_trl", "trl")):
             if (task, ppo) in results and (task, other) in results:
                 ok, line = compare(results[task, ppo], results[task, other])
                 flat[f"{task}_{ppo}_le_{other}"] = ok

@@ -67,6 +67,15 @@ def test_gae1_runs_at_the_settings_trl_runs_the_task_with(tmp_path):
         assert clip["actor_rollout_ref.actor.optim.lr"] == lr and clip["critic.optim.lr"] == "1e-3", task
         assert "actor_rollout_ref.actor.optim.clip_grad" not in clip, task
     assert learning.TRL_ARGS["echo"][learning.TRL_ARGS["echo"].index("--lr") + 1] == "1e-4"   # a task where it differs
+    # gae1_trl: gae1 plus TRL's choice wherever verl's default differs (trl_ppo.py's defaults: value
+    # clip 0.2, weight decay 0; TRL shuffles every epoch, has no dual clip, starts a random head)
+    for task, trl in learning.TRL_ARGS.items():
+        m = dict(a.split("=", 1) for a in learning.megappo_args("gae1_trl", task, paths, tmp_path, 3, 0) if "=" in a)
+        lr = trl[trl.index("--lr") + 1]
+        assert m["actor_rollout_ref.actor.optim.lr"] == m["critic.optim.lr"] == lr, task
+        assert m["critic.cliprange_value"] == "0.2" and m["actor_rollout_ref.actor.shuffle"] == "true", task
+        assert m["actor_rollout_ref.actor.optim.weight_decay"] == m["critic.optim.weight_decay"] == "0", task
+        assert float(m["actor_rollout_ref.actor.clip_ratio_c"]) > 1e6 and float(m["critic.model.value_head_init_std"]) > 0
 
 
 def test_the_harness_imports_this_checkout():
