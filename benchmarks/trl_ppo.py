@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="token: a <pad> the policy samples is an ordinary response token, as in megappo (TRL is "
                          "given a pad id no token has); end: TRL's stock rule, a sampled <pad> ends the response "
                          "(no gradient on it or after it; the reward reads the same span). See the module doc.")
+    ap.add_argument("--train-pad-row", action="store_true",
+                    help="let the <pad> row of the input embeddings take gradients, as Megatron's embedding (megappo's, "
+                         "verl's) does; HF's Embedding(padding_idx=pad) never updates it (the tiny models' row is zero)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (0: torch's default). 1 by default: these models are too small for "
@@ -309,6 +312,9 @@ def main(argv=None) -> int:
     value_model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
     for m in (policy, ref_policy, value_model):
         m.config.pad_token_id = tokenizer.pad_token_id
+    if args.train_pad_row or os.environ.get("TRL_TRAIN_PAD"):
+        for m in (policy, value_model):
+            m.get_input_embeddings().padding_idx = None
 
     out_dir = tempfile.mkdtemp(prefix="trl_ppo_")   # TRL's output_dir: nothing is saved there
     config = PPOConfig(
