@@ -238,14 +238,14 @@ class MegatronWorker:
 
     def _epochs(self, batch, history, mini_batch_size, micro_batch_size, max_token_len, ppo_epochs, make_loss, keys,
                 prepare, shuffle_seed) -> None:
-        steps = int(self.scheduler.num_steps)   # restored on resume: so are the orders
+        # the scheduler's step count survives a resume: so do the orders and the mini-batch seeds
+        steps = int(self.scheduler.num_steps)
         for epoch in range(ppo_epochs):
             rows = batch if shuffle_seed is None else batch.select(
                 seeds.epoch_order(len(batch), shuffle_seed, steps, epoch).to(batch.responses.device))
             for i, mini in enumerate(rows.split(mini_batch_size)):
                 if prepare is not None:
-                    # the scheduler's step count survives a resume: so does the sequence of seeds
-                    mini = prepare(mini, seeds.mini_batch_seed(int(self.scheduler.num_steps), epoch, i))
+                    mini = prepare(mini, seeds.mini_batch_seed(steps, epoch, i))
                 mask = mini.loss_mask.to(self.device)
                 norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
                             global_seqs=algo.global_seq_count(mask, self.dp_group))
