@@ -94,6 +94,24 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
             cfg.architectures = ["Qwen3ForCausalLM"]
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _fill_pad_row(model, cfg, seed)
         model.save_pretrained(model_dir, safe_serialization=True)
         tok.save_pretrained(model_dir)
     return paths
+
+
+def _fill_pad_row(model, cfg, seed: int) -> None:
+    """Give the ``<pad>`` embedding row the same random init as every other row.
+
+    HF's init zeroes the ``padding_idx`` row, a trained checkpoint never has it zero (Qwen's pad is a
+    real token), and the policy samples ``<pad>`` like any token. A zero row is not a neutral
+    choice: RMSNorm's gradient at a zero input is scaled by 1/sqrt(eps) (1000x here), so the first
+    update's grad norm came mostly from that one row, and HF (padding_idx frozen) and Megatron (every
+    row trained) then train different models from the same folder. Its own generator keeps every
+    other weight as ``from_config`` drew it."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        emb[cfg.pad_token_id] = torch.randn(emb.shape[1], generator=gen) * cfg.initializer_range
