@@ -83,3 +83,29 @@ def test_reward_model_scores_equal_transformers(tmp_path, tp, pp):
     # where the conversation ends with a model turn (every row but 0) that is the one-turn score
     # of the same token ids: tool tokens are read like any other, only the mask differs
     assert torch.equal(got_turns[1:], got[1:])
+
+
+def test_a_sequence_classifier_checkpoint_scores_as_transformers_reads_it(tmp_path):
+    """Hub reward models (and TRL's value models) are *ForSequenceClassification: the same trunk
+    and one-label head, read at the last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(5)
+    cfg = hf_config("qwen3", num_labels=1)
+    cfg.architectures = ["Qwen3ForSequenceClassification"]
+    hf = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 0.5)
+    hf.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
+
+    out = str(tmp_path / "s.pt")
+    spawn(_worker, 2, 2, 1, str(tmp_path / "rm"), out)
+    got, _ = torch.load(out)
+    batch = _global_batch()
+    n = batch.response_mask.sum(-1).long()
+    with torch.no_grad():
+        for i in range(len(batch)):
+            L = int(batch.prompt_lengths[i] + n[i])
+            want = hf(input_ids=batch.input_ids[i:i + 1, :L]).logits[0, 0]
+            assert torch.allclose(got[i, n[i] - 1], want, atol=1e-4), (i, got[i], want)
+    assert (got != 0).sum(-1).tolist() == [1] * len(batch)

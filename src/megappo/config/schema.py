@@ -246,7 +246,7 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from; defaults to the actor's.")
+    path: str = _f(Ref("actor_rollout_ref.model.path"), "Checkpoint the critic backbone starts from (a causal LM, or a one-label token/sequence classifier whose head it keeps); defaults to the actor's.")
     value_head_init_std: float = _f(0.0, "Std of a new value head's weights (used when the checkpoint has no score.weight); 0 starts every value at 0.")
     use_remove_padding: bool = _f(False, "As actor_rollout_ref.model.use_remove_padding, for the critic.")
     enable_gradient_checkpointing: bool = _f(False, "As actor_rollout_ref.model.enable_gradient_checkpointing, for the critic.")
@@ -322,7 +322,7 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardModelModelConfig:
-    path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token-classification model with one label (the critic export layout), same tokenizer as the actor.")
+    path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token- or sequence-classification model with one label (the critic export layout, or a hub reward model), same tokenizer as the actor.")
 
 
 @dataclass
