@@ -82,7 +82,11 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
                      num_hidden_layers=2 if small else 4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                     eos_token_id=eos, pad_token_id=tok.pad_token_id)
+                     eos_token_id=eos)
+        # no pad_token_id in the model's config, as in Qwen's released configs (the tokenizer has
+        # the pad): transformers would otherwise build Embedding(padding_idx=pad), whose init zeroes
+        # that row and whose backward never updates it -- a model TRL and HF train differently
+        # from Megatron (which trains every row), and a zero row takes RMSNorm's 1/sqrt(eps) gradient
         if arch == "qwen3_moe":   # Mixture-of-Experts: 4 experts, 2 per token; layer 0 dense
             from transformers import Qwen3MoeConfig
 
@@ -94,24 +98,7 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
             cfg.architectures = ["Qwen3ForCausalLM"]
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        _fill_pad_row(model, cfg, seed)
         model.save_pretrained(model_dir, safe_serialization=True)
         tok.save_pretrained(model_dir)
     return paths
 
-
-def _fill_pad_row(model, cfg, seed: int) -> None:
-    """Give the ``<pad>`` embedding row the same random init as every other row.
-
-    HF's init zeroes the ``padding_idx`` row, a trained checkpoint never has it zero (Qwen's pad is a
-    real token), and the policy samples ``<pad>`` like any token. A zero row is not a neutral
-    choice: RMSNorm's gradient at a zero input is scaled by 1/sqrt(eps) (1000x here), so the first
-    update's grad norm came mostly from that one row, and HF (padding_idx frozen) and Megatron (every
-    row trained) then train different models from the same folder. Its own generator keeps every
-    other weight as ``from_config`` drew it."""
-    import torch
-
-    emb = model.get_input_embeddings().weight
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    with torch.no_grad():
-        emb[cfg.pad_token_id] = torch.randn(emb.shape[1], generator=gen) * cfg.initializer_range
