@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--train-pad-row", action="store_true",
                     help="let the <pad> row of the input embeddings take gradients, as Megatron's embedding (megappo's, "
                          "verl's) does; HF's Embedding(padding_idx=pad) never updates it (the tiny models' row is zero)")
+    ap.add_argument("--value-model", default=None,
+                    help="folder of the value model (default: --model, with a random one-label head)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (0: torch's default). 1 by default: these models are too small for "
@@ -309,7 +311,8 @@ def main(argv=None) -> int:
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     torch.manual_seed(args.seed)
-    value_model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
+    value_model = AutoModelForSequenceClassification.from_pretrained(args.value_model or args.model, num_labels=1,
+                                                                     dtype=torch.float32)
     for m in (policy, ref_policy, value_model):
         m.config.pad_token_id = tokenizer.pad_token_id
     if args.train_pad_row or os.environ.get("TRL_TRAIN_PAD"):
