@@ -98,7 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(no gradient on it or after it; the reward reads the same span). See the module doc.")
     ap.add_argument("--train-pad-row", action="store_true",
                     help="let the <pad> row of the input embeddings take gradients, as Megatron's embedding (megappo's, "
-                         "verl's) does; HF's Embedding(padding_idx=pad) never updates it (the tiny models' row is zero)")
+                         "verl's) does; HF's Embedding(padding_idx=pad) never updates it. Only for model folders whose "
+                         "config names a pad_token_id (tiny models made before 2026-12-05: a zero row); the "
+                         "current tiny configs name none, so every row trains anyway")
     ap.add_argument("--value-model", default=None,
                     help="folder of the value model (default: --model, with a random one-label head)")
     ap.add_argument("--seed", type=int, default=0)
