@@ -101,4 +101,3 @@ def make_tiny_setup(out_dir: str, *, n_train: int = 512, n_test: int = 64, seed:
         model.save_pretrained(model_dir, safe_serialization=True)
         tok.save_pretrained(model_dir)
     return paths
-

@@ -12,11 +12,10 @@ __all__ = ["ModelDesc", "ModelConfigError", "SUPPORTED_ARCHITECTURES", "HFModelI
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
                            "Qwen3MoeForCausalLM": "qwen3_moe"}
-# Scalar-head models (critic exports, reward models): the same backbones with a one-label
-# ``score`` head, which only a value-head build can use.
-# one-label heads (``score``, (1, hidden)) on a causal LM's trunk: verl's critics are token
-# classifiers, hub reward models and TRL's value models sequence classifiers -- the same weights
-# (a sequence classifier reads the head at the last token, which is where a reward is read)
+# Scalar-head models (critics, reward models): the same backbones with a one-label ``score``
+# head, which only a value-head build can use. verl's critics are token classifiers, hub reward
+# models and TRL's value models sequence classifiers -- the same weights (a sequence classifier
+# reads the head at the last token, which is where a reward is read).
 SCALAR_HEAD_ARCHITECTURES = {f"{name}For{kind}Classification": arch
                              for name, arch in (("Qwen3", "qwen3"), ("Qwen2", "qwen2"), ("Llama", "llama"),
                                                 ("Qwen3Moe", "qwen3_moe"))
