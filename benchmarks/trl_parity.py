@@ -61,6 +61,15 @@ def update_overrides(epochs: int, mini_batches: int, batch: int = 32) -> list[st
             "trainer.total_training_steps=1"]
 
 
+def prompt_of(input_ids, prompt_lengths, i: int) -> tuple:
+    """Row ``i``'s prompt ids: the key that matches a row across the two trainers."""
+    return tuple(input_ids[i, :int(prompt_lengths[i])].tolist())
+
+
+def prompts_of(b: dict) -> list[tuple]:
+    return [prompt_of(b["input_ids"], b["prompt_lengths"], i) for i in range(len(b["responses"]))]
+
+
 # -- megappo's side (its venv) -----------------------------------------------------------------
 def megappo_side(args) -> None:
     import torch
@@ -74,9 +83,8 @@ def megappo_side(args) -> None:
     def grab(role):
         def wrap(fn):
             def inner(worker, batch, *a, **k):
-                record["batch"] = {f: getattr(batch, f).clone() for f in (
-                    "input_ids", "prompt_lengths", "responses", "response_mask", "old_log_prob", "ref_log_prob",
-                    "values", "token_level_scores", "token_level_rewards", "advantages", "returns")}
+                record["batch"] = {f: getattr(batch, f).clone() for f in (   # what compare() reads
+                    "input_ids", "prompt_lengths", "responses", "response_mask", "values", "advantages", "returns")}
                 record["role"] = role
                 return fn(worker, batch, *a, **k)
             return inner
@@ -109,7 +117,7 @@ def megappo_side(args) -> None:
     def kept_rows(self, batch):
         keep, seen = [], set()
         for i in dp_rows(self, batch):
-            prompt = tuple(batch.input_ids[i, :int(batch.prompt_lengths[i])].tolist())
+            prompt = prompt_of(batch.input_ids, batch.prompt_lengths, i)
             if prompt not in seen and (bool(batch.response_mask[i].all()) or not args.full_length_only):
                 keep.append(i)
                 seen.add(prompt)
@@ -160,8 +168,7 @@ def trl_side(args) -> None:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     replies = {}
-    for i in range(len(b["responses"])):
-        prompt = tuple(b["input_ids"][i, :int(b["prompt_lengths"][i])].tolist())
+    for i, prompt in enumerate(prompts_of(b)):
         n = int(b["response_mask"][i].sum())
         replies[prompt] = b["responses"][i, :n].tolist()
     if len(replies) != len(b["responses"]):
@@ -209,8 +216,7 @@ def trl_side(args) -> None:
 
     pt.batch_generation = batch_generation
     # every epoch takes megappo's rows in megappo's order (its mini-batches are not shuffled)
-    mine = [tuple(b["input_ids"][i, :int(b["prompt_lengths"][i])].tolist()) for i in range(len(b["responses"]))]
-    pt.np.random.permutation = lambda n: pt.np.array([captured["order"].index(p) for p in mine])
+    pt.np.random.permutation = lambda n: pt.np.array([captured["order"].index(p) for p in prompts_of(b)])
 
     orig_trainer = pt.PPOTrainer
 
@@ -284,7 +290,7 @@ def compare(out: Path, vf_coef: float) -> dict:
         res[f"{role} gradients: worst relative difference"] = max(v for k, v in worst.items() if f" {role}:" in k)
     # advantages, by prompt: TRL's GAE output before whitening (megappo: returns - values) and after
     pre, post, _ = t["whiten"][0]
-    prompts = [tuple(b["input_ids"][i, :int(b["prompt_lengths"][i])].tolist()) for i in range(len(b["responses"]))]
+    prompts = prompts_of(b)
     rows = [t["order"].index(p) for p in prompts]   # TRL's row of each of megappo's
     mask = b["response_mask"].bool()
     full = mask.all(1)   # rows that fill the length limit: no EOS, both put the score on the last token
