@@ -69,12 +69,14 @@ Prints the curves (score and actor entropy), per task and method the median [min
 seeds of the samples to target (a seed that never reaches it counts as infinite), how many runs
 collapsed (entropy under half its start while the score stayed under twice its start and, for a
 run that starts competent, gained less than a quarter of the way to its best samples), the
-comparisons megappo gae <= grpo, gae1 <= trl and gae1_trl <= trl, and ends with one JSON line.
+comparisons megappo gae <= grpo, gae1 <= trl and gae1_trl <= trl (medians, and seed by seed with a sign
+test: with updates as alike as these, a 3-seed median is often one seed's luck), and ends with one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -361,6 +363,23 @@ def compare(mine: list[dict], theirs: list[dict]) -> tuple[bool, str]:
     return a is not None and (b is None or a <= b), f"needs {a} samples (median), {b} for"
 
 
+def paired(mine: list[dict], theirs: list[dict]) -> dict:
+    """Seed by seed (the lists in the same seed order): how often one method is ahead of, level
+    with or behind another (fewer samples to the target; a miss is infinite; when both miss, the
+    higher score at the budget), and the two-sided sign test's p-value of the wins against the
+    losses (ties dropped). A median of three seeds moves with one seed's draws: this says whether
+    a difference is more than that."""
+    def key(r):   # smaller is better
+        n = r["samples_to_target"]
+        return (0, n) if n is not None else (1, -(r["score_at_budget"] or 0.0))
+    ahead = sum(key(a) < key(b) for a, b in zip(mine, theirs))
+    behind = sum(key(a) > key(b) for a, b in zip(mine, theirs))
+    level = min(len(mine), len(theirs)) - ahead - behind
+    n, k = ahead + behind, min(ahead, behind)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"ahead": ahead, "level": level, "behind": behind, "sign_test_p": round(p, 4)}
+
+
 def median_spread(values: list) -> tuple:
     """(median, min, max) of samples-to-target over seeds; a seed that never reached the target
     counts as infinite (so the median is None when most seeds missed it)."""
@@ -450,8 +469,12 @@ def main(argv=None) -> int:
         for ppo, other in (("gae", "grpo"), ("gae1", "trl"), ("gae1_trl", "trl")):
             if (task, ppo) in results and (task, other) in results:
                 ok, line = compare(results[task, ppo], results[task, other])
+                pair = paired(results[task, ppo], results[task, other])
                 flat[f"{task}_{ppo}_le_{other}"] = ok
-                print(f"{task}: megappo {ppo} {line} {other}: {'ok' if ok else 'NOT ok'}")
+                flat[f"{task}_{ppo}_vs_{other}_paired"] = pair
+                print(f"{task}: megappo {ppo} {line} {other}: {'ok' if ok else 'NOT ok'}; by seed ahead on "
+                      f"{pair['ahead']}, level on {pair['level']}, behind on {pair['behind']} "
+                      f"(sign test p = {pair['sign_test_p']})")
     for method in methods:   # the tool is needed: the same run without it
         if ("lookup", method) in results and ("lookup_notools", method) in results:
             best = max((r["score"] for (t, m, _), c in curves.items() if (t, m) == ("lookup_notools", method)

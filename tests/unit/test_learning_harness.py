@@ -119,6 +119,19 @@ def test_compare_medians_then_score_at_budget():
     assert learning.compare([r(None, 0.1)] * 3, [r(None, 0.11)] * 3)[0] is False
 
 
+def test_paired_counts_seeds_and_gives_the_sign_test():
+    """Seed by seed: fewer samples wins, a miss loses to a hit, two misses go by the score at the
+    budget; p is the two-sided sign test over the seeds that differ (binomial(n, 1/2))."""
+    r = lambda n, score=0.1: {"samples_to_target": n, "score_at_budget": score}
+    mine = [r(100), r(None, 0.3), r(None, 0.2), r(400), r(500)]
+    theirs = [r(200), r(900), r(None, 0.1), r(400), r(None, 0.9)]
+    assert learning.paired(mine, theirs) == {"ahead": 3, "level": 1, "behind": 1, "sign_test_p": 0.625}  # 2*5/16
+    assert learning.paired([r(1)] * 8, [r(2)] * 8)["sign_test_p"] == round(2 / 2 ** 8, 4)
+    assert learning.paired([r(1)] * 3, [r(1)] * 3) == {"ahead": 0, "level": 3, "behind": 0, "sign_test_p": 1.0}
+    # order matters: the lists are paired by seed, not sorted
+    assert learning.paired([r(100), r(300)], [r(200), r(250)])["ahead"] == 1
+
+
 def test_a_warm_task_starts_every_method_from_the_fine_tuned_model(tmp_path):
     """pick_first_warm: the same data as pick_first, the model fine-tuned on the answer (new
     weights, made once per setup folder), and megappo's runs start from it."""
