@@ -12,8 +12,12 @@ synthetic: per prompt a hit rate p in {0.2, 0.5, 0.8} set by its first word (as 
 depends on the prompt, so V(s_0) can learn it); each of the 8 response words is
 right with probability p (pick_first: the prompt's first word; copy: the prompt word at that
 index), else another content word; the reward right/8 sits on the last token. Targets: the
-Monte-Carlo return (the reward at every token, what GAE with lambda 1 gives the critic) or
-``--target exact``: E[R | s_t] = (right before t + p (8 - t)) / 8.
+Monte-Carlo return (the reward at every token, what GAE with lambda 1 gives the critic),
+``--target mc_centred``: that minus the mean of the other samples of its prompt (what
+algorithm.critic_target=group_relative gives it), or ``--target exact``: E[R | s_t] =
+(right before t + p (8 - t)) / 8. The slope below is per prompt group, so it is comparable
+between the three; the MSE and explained variance are against the exact values (not those of
+mc_centred's targets).
 
 Printed on a fixed held-out batch every ``--every`` steps: the within-group slope of 8 V(s_t) on
 "right words before t" (both centred per prompt group and position; 1.0 = per-token credit, 0 =
@@ -205,7 +209,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="pick_first", choices=("pick_first", "copy", "const"),
                     help="const: the right word is always t10 (no lookup into the prompt: isolates counting)")
-    ap.add_argument("--target", default="mc", choices=("mc", "exact"))
+    ap.add_argument("--target", default="mc", choices=("mc", "mc_centred", "exact"),
+                    help="mc_centred: the return minus the mean score of the other samples of its prompt (the "
+                         "critic learns only what differs within a group)")
     ap.add_argument("--steps", type=int, default=120, help="training steps of 32 prompts x 8 samples (120 = 30,720 samples)")
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -232,6 +238,9 @@ def main(argv=None) -> int:
     for step in range(1, a.steps + 1):
         batch, right_before, p = synth_batch(prompts, tok, a.task, per_step, n, rng)
         final = _final_reward(batch, right_before, tok, a.task, prompts)
+        if a.target == "mc_centred":   # minus the mean of the other samples of its prompt
+            group_sum = torch.zeros(per_step).index_add_(0, batch.prompt_index, final)
+            final = final - (group_sum[batch.prompt_index] - final) / (n - 1)
         batch.returns = (exact_values(right_before, p) if a.target == "exact"
                          else final[:, None].expand(-1, N_WORDS).contiguous())
         batch.values = critic.compute_values(batch, max_token_len=TOKENS)

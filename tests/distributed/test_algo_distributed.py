@@ -162,11 +162,15 @@ def _dp_worker(rank, world, splits):
     # gae's group normalisations (groups spread over ranks); group_centred also with each rank's rows
     # cut to their own longest response (its per-position group sums over different widths)
     for norm in ("group", "group_shift", "group_centred", "group_cv"):
-        kw = dict(gamma=0.95, lam=0.9, gae_adv_norm=norm)
-        full_a, _ = algo.compute_advantages("gae", token_level_rewards=r, response_mask=m, values=v, group_index=gid, **kw)
-        a, _ = algo.compute_advantages("gae", token_level_rewards=r[sl], response_mask=m[sl], values=v[sl],
-                                       group_index=gid[sl], dp_group=grp, **kw)
-        torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{norm}: {s}")
+        targets = ("return", "group_relative") if norm in algo.SHIFT_FREE_ADV_NORMS else ("return",)
+        for target in targets:   # group_relative: the leave-one-out mean return of groups spread over ranks
+            kw = dict(gamma=0.95, lam=0.9, gae_adv_norm=norm, critic_target=target)
+            full_a, full_r = algo.compute_advantages("gae", token_level_rewards=r, response_mask=m, values=v,
+                                                     group_index=gid, **kw)
+            a, ret = algo.compute_advantages("gae", token_level_rewards=r[sl], response_mask=m[sl], values=v[sl],
+                                             group_index=gid[sl], dp_group=grp, **kw)
+            torch.testing.assert_close(a, full_a[sl], atol=1e-12, rtol=0, msg=lambda s: f"{norm}: {s}")
+            torch.testing.assert_close(ret, full_r[sl], atol=1e-12, rtol=0, msg=lambda s: f"{norm}, {target}: {s}")
     cols = m[sl].sum(0).nonzero()
     w = int(cols.max().item()) + 1 if cols.numel() else 1
     for norm in ("group_centred", "group_cv"):   # group_cv: its weight beta is DP-global too

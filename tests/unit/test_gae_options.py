@@ -470,3 +470,121 @@ def test_group_cv_beta_with_memory_does_not_drop_to_0_on_a_batch_with_little_evi
     assert again.state_dict() == state
     with pytest.raises(ValueError, match="decay must be in"):
         algo.CvMemory(1.0)
+
+
+def _loo_mean_return(rewards, mask, index, gamma):
+    """By hand: each sample's leave-one-out mean, over the other samples of its group, of their
+    discounted return from the first response token."""
+    g0 = []
+    for i in range(len(rewards)):
+        pos = mask[i].nonzero().flatten()
+        g0.append(sum(gamma ** k * rewards[i, p] for k, p in enumerate(pos.tolist())))
+    g0 = torch.tensor(g0, dtype=torch.float64)
+    return torch.stack([g0[(index == index[i]) & (torch.arange(len(g0)) != i)].mean() for i in range(len(g0))])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.9), (0.9, 0.8), (0.95, 0.0)])
+def test_group_relative_targets_are_the_returns_minus_the_others_mean_return(gamma, lam):
+    """critic_target=group_relative: with values level-shifted by each sample's leave-one-out
+    mean return c_i, the targets are the return targets minus c_i at every token and lambda (the
+    TD errors are equal), and the advantages do not change (the group normalisations read only
+    V(s_t) - V(s_0)). Masked positions inside a response (tool tokens) are skipped."""
+    rewards, values, mask, index = _batch(seed=3, groups=4, n=4, T=7)
+    mask[::3, 1] = 0                    # a masked position inside some responses (multi-turn)
+    mask[:, 0] = 1
+    rewards = rewards * mask + 0.05 * mask   # a per-token part too (a KL penalty in the reward)
+    values = values * mask
+    c = _loo_mean_return(rewards, mask, index, gamma)
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=gamma, lam=lam,
+              gae_adv_norm="group_cv")
+    adv, ret = algo.compute_advantages("gae", values=values, **kw)
+    adv_rel, ret_rel = algo.compute_advantages("gae", values=values - c[:, None] * mask, critic_target="group_relative", **kw)
+    torch.testing.assert_close(ret_rel, (ret - c[:, None]) * mask, rtol=0, atol=1e-12)
+    torch.testing.assert_close(adv_rel, adv, rtol=0, atol=1e-12)
+    # the critic's own values (not shifted): the targets differ from the returns' by c_i exactly where
+    # lambda reaches the end of the response
+    _, ret_same_v = algo.compute_advantages("gae", values=values, critic_target="group_relative", **kw)
+    if lam == 1.0 and gamma == 1.0:
+        torch.testing.assert_close(ret_same_v, (ret - c[:, None]) * mask, rtol=0, atol=1e-12)
+
+
+def test_group_relative_targets_in_expectation_are_the_change_of_value_since_the_prompt():
+    """Sampled responses of a two-token task with known values: averaged over many groups the
+    targets at t are V(s_t) - V(s_0), not V(s_t)."""
+    g = torch.Generator().manual_seed(0)
+    groups, n = 4000, 4
+    B = groups * n
+    p = torch.rand(groups, generator=g, dtype=torch.float64).repeat_interleave(n)   # each prompt's hit rate
+    hit = (torch.rand(B, 2, generator=g, dtype=torch.float64) < p[:, None]).double()
+    rewards = torch.zeros(B, 2, dtype=torch.float64)
+    rewards[:, 1] = hit.sum(1) / 2
+    mask = torch.ones(B, 2)
+    index = torch.arange(groups).repeat_interleave(n)
+    _, ret = algo.compute_advantages("gae", token_level_rewards=rewards, values=torch.zeros(B, 2, dtype=torch.float64),
+                                     response_mask=mask, group_index=index, gamma=1.0, lam=1.0,
+                                     gae_adv_norm="group_cv", critic_target="group_relative")
+    # V(s_0) = p, V(s_1) = (hit_0 + p) / 2: the target at token 1 is (hit_0 - p) / 2 + noise of mean 0
+    assert abs(float(ret[:, 0].mean())) < 0.01
+    slope = float(((ret[:, 1] - ret[:, 1].mean()) * (hit[:, 0] - p)).sum() / ((hit[:, 0] - p) ** 2).sum())
+    assert abs(slope - 0.5) < 0.05
+    assert abs(float((ret[:, 1] - (hit[:, 0] - p) / 2).mean())) < 0.01
+
+
+def test_group_relative_targets_need_a_shift_free_normalisation():
+    rewards, values, mask, index = _batch()
+    kw = dict(token_level_rewards=rewards, values=values, response_mask=mask, group_index=index)
+    for norm in ("batch", "group"):
+        with pytest.raises(ValueError, match="critic_target='group_relative' needs gae_adv_norm in"):
+            algo.compute_advantages("gae", gae_adv_norm=norm, critic_target="group_relative", **kw)
+    with pytest.raises(ValueError, match="critic_target must be one of"):
+        algo.compute_advantages("gae", gae_adv_norm="group_cv", critic_target="values", **kw)
+
+
+def test_critic_target_config():
+    """verl's targets unless asked; group_relative needs a normalisation that reads only
+    V(s_t) - V(s_0) (n > 1 resolves gae_adv_norm=auto to group_cv), and is refused with one that
+    reads V itself."""
+    from megappo.config import ConfigError, load_config, validate
+
+    def target(*overrides):
+        cfg = load_config(list(overrides), ("tiny_cpu",))
+        validate(cfg)
+        return cfg.algorithm.critic_target
+
+    assert target("actor_rollout_ref.rollout.n=8") == "return"
+    assert target("actor_rollout_ref.rollout.n=8", "algorithm.critic_target=group_relative") == "group_relative"
+    assert target("actor_rollout_ref.rollout.n=8", "algorithm.gae_adv_norm=group_centred",
+                  "algorithm.critic_target=group_relative") == "group_relative"
+
+    def error(*overrides):
+        with pytest.raises(ConfigError) as ei:
+            validate(load_config(list(overrides), ("tiny_cpu",)))
+        return dict(ei.value.errors)["algorithm.critic_target"]
+
+    assert "gae_adv_norm='batch'" in error("actor_rollout_ref.rollout.n=8", "algorithm.gae_adv_norm=batch",
+                                           "algorithm.critic_target=group_relative")
+    assert "gae_adv_norm='group'" in error("actor_rollout_ref.rollout.n=8", "algorithm.gae_adv_norm=group",
+                                           "algorithm.critic_target=group_relative")
+    assert "gae_adv_norm='batch'" in error("actor_rollout_ref.rollout.n=1", "algorithm.critic_target=group_relative")
+    assert "return or group_relative" in error("algorithm.critic_target=mean")
+
+
+def test_the_trainer_passes_the_critic_target_to_the_returns():
+    """phases.rewards_and_advantages: with critic_target=group_relative the critic's targets are
+    the returns minus each sample's leave-one-out group mean; the advantages are the default's."""
+    from types import SimpleNamespace
+
+    from megappo.config import load_config
+    from megappo.trainer import phases
+
+    rewards, values, mask, index = _batch(seed=5, groups=3, n=4, T=5)
+    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
+                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
+                            reward_components=None)
+    out = {}
+    for target in ("return", "group_relative"):
+        cfg = load_config(["actor_rollout_ref.rollout.n=4", f"algorithm.critic_target={target}"], ("tiny_cpu",))
+        out[target] = phases.rewards_and_advantages(batch, cfg, None, None)
+    c = _loo_mean_return(rewards, mask, index, 1.0)
+    torch.testing.assert_close(out["group_relative"][2], (out["return"][2] - c[:, None]) * mask, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out["group_relative"][1], out["return"][1], rtol=0, atol=0)

@@ -31,6 +31,9 @@ __all__ = [
     "group_sums",
     "group_max",
     "GAE_ADV_NORMS",
+    "SHIFT_FREE_ADV_NORMS",
+    "CRITIC_TARGETS",
+    "group_relative_rewards",
     "group_normalised_gae",
     "group_shifted_gae",
     "group_centred_gae",
@@ -330,7 +333,8 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
                        gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
                        baseline_scores=None, dp_group=None, old_log_probs=None, sum_pi_squared=None,
                        rollout_is_weights=None, reward_components=None, reward_weights=None,
-                       gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None):
+                       gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None,
+                       critic_target: str = "return"):
     """Dispatch to a registered estimator; returns ``(advantages, returns)``, both (B, T).
 
     Optional inputs, used by the estimators that ask for them (others ignore them):
@@ -355,7 +359,7 @@ def compute_advantages(estimator: str, *, token_level_rewards, response_mask, va
                    sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
                    reward_components=reward_components, reward_weights=reward_weights,
                    gae_adv_norm=gae_adv_norm, critic_lam=critic_lam, lam_length_alpha=lam_length_alpha,
-                   cv_memory=cv_memory)
+                   cv_memory=cv_memory, critic_target=critic_target)
 
 
 def _outcome(scores: torch.Tensor, response_mask, dtype) -> torch.Tensor:
@@ -368,6 +372,39 @@ def _scores(token_level_rewards, response_mask):
 
 
 GAE_ADV_NORMS = ("batch", "group", "group_shift", "group_centred", "group_cv")
+# the normalisations whose advantages are unchanged when a sample's values all move by one
+# constant (they use V(s_t) - V(s_0) only): the critic may learn its values on any per-sample level
+SHIFT_FREE_ADV_NORMS = ("group_shift", "group_centred", "group_cv")
+CRITIC_TARGETS = ("return", "group_relative")
+
+
+def group_relative_rewards(token_level_rewards, response_mask, group_index, gamma: float, dp_group=None):
+    """(B, T) the rewards behind the critic's targets with ``critic_target=group_relative``.
+
+    Each sample's rewards are shifted so that every return G_t drops by c_i, the mean return
+    from the prompt of the OTHER samples of its group (leave-one-out; 0 for a sample alone):
+    r'_t = r_t - (1 - gamma) c_i at each response token and a further -gamma c_i at the last one
+    (gamma = 1: only the last reward moves). GAE's targets on these rewards are the usual ones
+    minus c_i at every lambda when the values are level-shifted by c_i (the TD errors are equal).
+    Why: the samples of the group are drawn independently given the prompt, so E[c_i | s_t] =
+    V(s_0) and the critic learns V(s_t) - V(s_0), the part of the value that differs within a
+    prompt group. That is all the group-normalised advantages use (SHIFT_FREE_ADV_NORMS); trained
+    on the whole return, the critic spends its fit (and, through Adam's second moment, its step
+    size) on each prompt's difficulty, which the group's mean score replaces anyway. Measured
+    (benchmarks/critic_probe.py --target mc_centred, 15,360 samples, within-group slope of the
+    values on the right words so far; 1.0 = exact per-token credit): pick_first 0.31 and 0.21
+    against 0.075 and 0.17 (seeds 0, 1), copy 0.20 against 0.005. In PPO the policy learnt no
+    faster for it on the tasks measured (docs/benchmarks.md), so it is an option."""
+    r = token_level_rewards.to(torch.float64)
+    m = response_mask.to(torch.float64)
+    first = response_mask.to(torch.int64).argmax(1, keepdim=True)
+    g0 = discounted_returns(r, response_mask, gamma).gather(1, first).squeeze(1)   # return from the prompt
+    cnt, mean, _ = group_stats(g0, group_index, dp_group)
+    c = torch.where(cnt > 1, (cnt * mean - g0) / (cnt - 1).clamp(min=1), torch.zeros_like(g0))
+    last = (m * torch.arange(1, m.shape[1] + 1, dtype=torch.float64, device=m.device)).argmax(1, keepdim=True)
+    shift = (1 - gamma) * c[:, None] * m
+    shift.scatter_add_(1, last, (gamma * c * m.gather(1, last).squeeze(1))[:, None])
+    return (r - shift).to(token_level_rewards.dtype)
 
 
 def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -614,22 +651,36 @@ def equal_score_share(advantages, token_level_rewards, response_mask, group_inde
 
 @register_estimator("gae", needs_critic=True)
 def _gae_estimator(*, token_level_rewards, response_mask, values, gamma, lam, dp_group, group_index=None,
-                   gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None, **_):
+                   gae_adv_norm: str = "batch", critic_lam=None, lam_length_alpha=None, cv_memory=None,
+                   critic_target: str = "return", **_):
     """GAE. ``gae_adv_norm``: ``batch`` whitens the advantages over the (DP-global) batch (verl);
     ``group`` is :func:`group_normalised_gae`. ``critic_lam`` (None: ``lam``): the lambda of the
     critic's targets (VAPO's decoupled GAE: 1.0 makes them Monte-Carlo returns);
     ``lam_length_alpha`` (None: off): the policy's lambda per sample is
     :func:`length_adaptive_lam`; ``cv_memory`` (:class:`CvMemory`, None: this batch only): the
-    running sums of group_cv's beta. Returns (advantages, returns = critic-lambda advantage + values)."""
+    running sums of group_cv's beta; ``critic_target``: ``return`` (the critic's targets are the
+    returns) or ``group_relative`` (the returns minus the leave-one-out mean return of the prompt's
+    group: :func:`group_relative_rewards`; only with SHIFT_FREE_ADV_NORMS). Returns (advantages,
+    returns = critic-lambda advantage + values: the critic's targets)."""
     if gae_adv_norm not in GAE_ADV_NORMS:
         raise ValueError(f"gae_adv_norm must be one of {GAE_ADV_NORMS}, got {gae_adv_norm!r}")
+    if critic_target not in CRITIC_TARGETS:
+        raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
+    if critic_target == "group_relative" and gae_adv_norm not in SHIFT_FREE_ADV_NORMS:
+        raise ValueError(f"critic_target='group_relative' needs gae_adv_norm in {SHIFT_FREE_ADV_NORMS} (advantages that "
+                         f"use only V(s_t) - V(s_0)), got {gae_adv_norm!r}")
     if lam_length_alpha is not None:
         adv, ret = gae_per_sample_lam(token_level_rewards, values, response_mask, gamma,
                                       length_adaptive_lam(response_mask, lam_length_alpha))
     else:
         adv, ret = gae(token_level_rewards, values, response_mask, gamma, lam)
     critic_lam = lam if critic_lam is None else critic_lam
-    if critic_lam != lam or lam_length_alpha is not None:
+    if critic_target == "group_relative":
+        if group_index is None:
+            raise ValueError("critic_target='group_relative' needs group_index (one id per prompt)")
+        _, ret = gae(group_relative_rewards(token_level_rewards, response_mask, group_index, gamma, dp_group), values,
+                     response_mask, gamma, critic_lam)
+    elif critic_lam != lam or lam_length_alpha is not None:
         _, ret = gae(token_level_rewards, values, response_mask, gamma, critic_lam)
     if gae_adv_norm != "batch":
         if group_index is None:

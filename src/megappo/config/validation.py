@@ -233,8 +233,16 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
     if al.gae_adv_norm in ("group", "group_shift", "group_centred", "group_cv"):
         need(n > 1, "algorithm.gae_adv_norm",
              f"group normalisation compares the samples of a prompt: needs actor_rollout_ref.rollout.n > 1, got {n}")
+    need(al.critic_target in ("return", "group_relative"), "algorithm.critic_target",
+         f"must be return or group_relative, got {al.critic_target!r}")
+    if al.adv_estimator == "gae" and al.critic_target == "group_relative":
+        need(al.gae_adv_norm in ("group_shift", "group_centred", "group_cv"), "algorithm.critic_target",
+             "group_relative targets hold only the within-group part of the value, which only "
+             "gae_adv_norm group_shift, group_centred or group_cv (n > 1) read correctly; "
+             f"this run has gae_adv_norm={al.gae_adv_norm!r}")
     if al.adv_estimator != "gae":
-        for key, default in (("critic_lam", None), ("lam_length_alpha", None), ("gae_adv_norm", "batch")):
+        for key, default in (("critic_lam", None), ("lam_length_alpha", None), ("gae_adv_norm", "batch"),
+                             ("critic_target", "return")):
             if getattr(al, key) not in (default, "auto"):
                 W.append(f"algorithm.{key}={getattr(al, key)!r} is read only by adv_estimator=gae "
                          f"(this run uses {al.adv_estimator!r}): ignored")

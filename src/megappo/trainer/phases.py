@@ -75,7 +75,7 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memor
         dp_group=dp_group, old_log_probs=batch.old_log_prob, sum_pi_squared=batch.sum_pi_squared,
         rollout_is_weights=batch.rollout_is_weights, reward_components=batch.reward_components,
         reward_weights=al.gdpo_reward_weights, gae_adv_norm=al.gae_adv_norm, critic_lam=al.critic_lam,
-        lam_length_alpha=al.lam_length_alpha, cv_memory=cv_memory)
+        lam_length_alpha=al.lam_length_alpha, cv_memory=cv_memory, critic_target=al.critic_target)
     if batch.values is not None and cfg.actor_rollout_ref.rollout.n > 1:
         metrics["critic/advantages/equal_score_share"] = algo.equal_score_share(
             advantages, rewards, batch.response_mask, batch.prompt_index, dp_group)
