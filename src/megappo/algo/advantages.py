@@ -393,8 +393,8 @@ def group_relative_rewards(token_level_rewards, response_mask, group_index, gamm
     size) on each prompt's difficulty, which the group's mean score replaces anyway. Measured
     (benchmarks/critic_probe.py --target mc_centred, 15,360 samples, within-group slope of the
     values on the right words so far; 1.0 = exact per-token credit): pick_first 0.31 and 0.21
-    against 0.075 and 0.17 (seeds 0, 1), copy 0.20 against 0.005. In PPO the policy learnt no
-    faster for it on the tasks measured (docs/benchmarks.md), so it is an option."""
+    against 0.075 and 0.17 (seeds 0, 1), copy 0.20 against 0.005. In PPO the policy learnt
+    faster for it on pick_first only (docs/benchmarks.md), so it is an option."""
     r = token_level_rewards.to(torch.float64)
     m = response_mask.to(torch.float64)
     first = response_mask.to(torch.int64).argmax(1, keepdim=True)
