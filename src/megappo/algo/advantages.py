@@ -269,6 +269,13 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor, dp_group=None):
     return cnt[inv], mean[inv], std[inv]
 
 
+def leave_one_out_mean(x: torch.Tensor, group_index: torch.Tensor, dp_group=None) -> torch.Tensor:
+    """(B,) -> (B,) float64: the mean of ``x`` over the OTHER members of each sample's group (RLOO's
+    baseline); 0 for a sample alone in its group."""
+    cnt, mean, _ = group_stats(x, group_index, dp_group)
+    return torch.where(cnt > 1, (cnt * mean - x.to(torch.float64)) / (cnt - 1).clamp(min=1), torch.zeros_like(mean))
+
+
 # ---------------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------------
@@ -399,8 +406,7 @@ def group_relative_rewards(token_level_rewards, response_mask, group_index, gamm
     m = response_mask.to(torch.float64)
     first = response_mask.to(torch.int64).argmax(1, keepdim=True)
     g0 = discounted_returns(r, response_mask, gamma).gather(1, first).squeeze(1)   # return from the prompt
-    cnt, mean, _ = group_stats(g0, group_index, dp_group)
-    c = torch.where(cnt > 1, (cnt * mean - g0) / (cnt - 1).clamp(min=1), torch.zeros_like(g0))
+    c = leave_one_out_mean(g0, group_index, dp_group)
     last = (m * torch.arange(1, m.shape[1] + 1, dtype=torch.float64, device=m.device)).argmax(1, keepdim=True)
     shift = (1 - gamma) * c[:, None] * m
     shift.scatter_add_(1, last, (gamma * c * m.gather(1, last).squeeze(1))[:, None])
@@ -720,8 +726,7 @@ def _rloo(*, token_level_rewards, response_mask, group_index, dp_group, **_):
     """A_i = s_i - mean of the other members of the group = n/(n-1) (s_i - mean_g); a singleton
     keeps its score (there is no other member to compare with)."""
     s = _scores(token_level_rewards, response_mask)
-    cnt, mean, _ = group_stats(s, group_index, dp_group)
-    a = torch.where(cnt > 1, (s - mean) * cnt / (cnt - 1).clamp(min=1), s)
+    a = s - leave_one_out_mean(s, group_index, dp_group)
     out = _outcome(a, response_mask, token_level_rewards.dtype)
     return out, out
 
