@@ -27,6 +27,7 @@ variance of the exact values, and the value loss.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
     print(f"{'step':>5} {'samples':>8} {'slope':>7} {'mse':>8} {'ev':>6} {'vf_loss':>8}")
     s, mse, ev = evaluate(critic, held)
     print(f"{0:>5} {0:>8} {s:7.3f} {mse:8.5f} {ev:6.3f}", flush=True)
+    curve = [{"samples": 0, "slope": round(s, 4), "mse": round(mse, 6), "ev": round(ev, 4)}]
     mini = cfg.critic.ppo_mini_batch_size * n
     for step in range(1, a.steps + 1):
         batch, right_before, p = synth_batch(prompts, tok, a.task, per_step, n, rng)
@@ -248,11 +250,14 @@ def main(argv=None) -> int:
                                  max_token_len=TOKENS)
         if step % a.every == 0 or step == a.steps:
             s, mse, ev = evaluate(critic, held)
+            curve.append({"samples": step * per_step * n, "slope": round(s, 4), "mse": round(mse, 6), "ev": round(ev, 4)})
             print(f"{step:>5} {step * per_step * n:>8} {s:7.3f} {mse:8.5f} {ev:6.3f} {m['critic/vf_loss']:8.5f}",
                   flush=True)
     same, nxt = alignment(critic, held)
     print(f"alignment: replacing response token 3 changes V(s_3) by at most {same:.2e} (must be 0), "
           f"V(s_4) by {nxt:.4f} on average")
+    print(json.dumps({"task": a.task, "target": a.target, "seed": a.seed, "overrides": a.overrides, "curve": curve,
+                      "alignment_same_max": same, "alignment_next_mean": round(nxt, 6)}))
     torch.distributed.destroy_process_group()   # after the fine-tuning's autograd threads, exit hangs without it
     return 0
 
