@@ -405,6 +405,43 @@ def test_group_cv_is_grpo_for_a_critic_without_per_token_knowledge_and_clamps_be
     assert abs(algo.critic_cv_beta(rewards, exact, mask, index, 1.0, 1.0) - 1.0) < 1e-9
 
 
+def test_group_cv_beta_max_lets_the_fit_scale_up_an_under_scaled_critic():
+    """A critic whose within-group correction points the right way at a third of its size
+    (d = -o / 3: beta_hat 3): the default cap gives it weight 1, beta_max 4 the fitted 3, which
+    cancels the outcome exactly; the fit before the clamp is kept for critic/advantages/cv_beta_fit."""
+    from megappo.algo.advantages import critic_cv_coefficient
+
+    o = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    std, m = torch.ones(8, dtype=torch.float64), torch.ones(8, 5)
+    groups = torch.arange(4).repeat_interleave(2)
+    capped, free = algo.CvMemory(0.0), algo.CvMemory(0.0, beta_max=4.0)
+    assert critic_cv_coefficient(o, -o / 3, std, m, groups, memory=capped) == 1.0
+    assert capped.beta_fit == pytest.approx(3.0, rel=1e-12)
+    assert critic_cv_coefficient(o, -o / 3, std, m, groups, memory=free) == pytest.approx(3.0, rel=1e-12)
+    assert (free.beta, free.beta_fit) == pytest.approx((3.0, 3.0), rel=1e-12)
+    assert critic_cv_coefficient(o, -o / 5, std, m, groups, memory=free) == 4.0       # clamped at beta_max
+    # through the estimator: group_cv at lambda 1 on values that know a third of each outcome
+    # (every response the same length: the group-common part at each position is then its mean score)
+    rewards, index = torch.zeros(20, 6, dtype=torch.float64), torch.arange(5).repeat_interleave(4)
+    rewards[:, -1] = torch.rand(20, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    mask, score = torch.ones(20, 6), rewards[:, -1]
+    values = torch.zeros(mask.shape, dtype=torch.float64)
+    values[:, 1:] = score[:, None] / 3     # V(s_t) - V(s_0) = score / 3 after the first token
+    values = values * mask
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=1.0,
+              values=values, gae_adv_norm="group_cv")
+    capped_adv, _ = algo.compute_advantages("gae", cv_memory=algo.CvMemory(0.0), **kw)
+    free_adv, _ = algo.compute_advantages("gae", cv_memory=algo.CvMemory(0.0, beta_max=4.0), **kw)
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    later = mask.clone().bool()
+    later[:, 0] = False
+    # beta 3 removes the outcome from every token after the first; beta 1 two thirds of it remains
+    assert free_adv[later].abs().max() < 1e-6
+    torch.testing.assert_close(capped_adv[later], (2 / 3) * grpo.double()[later], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="beta_max must be > 0"):
+        algo.CvMemory(0.9, beta_max=0.0)
+
+
 def _cv_batch(seed, knowledge):
     """A batch whose critic knows ``knowledge`` of each sample's outcome per token (0: noise)."""
     from megappo.algo.advantages import _centred_parts
@@ -588,3 +625,31 @@ def test_the_trainer_passes_the_critic_target_to_the_returns():
     c = _loo_mean_return(rewards, mask, index, 1.0)
     torch.testing.assert_close(out["group_relative"][2], (out["return"][2] - c[:, None]) * mask, rtol=0, atol=1e-12)
     torch.testing.assert_close(out["group_relative"][1], out["return"][1], rtol=0, atol=0)
+
+
+def test_the_trainer_builds_group_cvs_memory_from_the_config_and_logs_the_fit():
+    """phases.cv_memory takes gae_cv_decay and gae_cv_beta_max from the config; the step's metrics
+    carry the weight used (cv_beta) and the least-squares fit before its clamp (cv_beta_fit)."""
+    from types import SimpleNamespace
+
+    from megappo.config import load_config
+    from megappo.trainer import phases
+
+    rewards, index = torch.zeros(20, 6, dtype=torch.float64), torch.arange(5).repeat_interleave(4)
+    rewards[:, -1] = torch.rand(20, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    mask = torch.ones(20, 6)
+    values = torch.zeros(20, 6, dtype=torch.float64)
+    values[:, 1:] = rewards[:, -1:] / 3          # a third of each outcome: the fit is 3
+    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
+                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
+                            reward_components=None)
+    got = {}
+    for top in (1.0, 4.0):
+        cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.gae_cv_decay=0.5",
+                           f"algorithm.gae_cv_beta_max={top}"], ("tiny_cpu",))
+        memory = phases.cv_memory(cfg)
+        assert (memory.decay, memory.beta_max) == (0.5, top)
+        got[top] = phases.rewards_and_advantages(batch, cfg, None, None, cv_memory=memory)[3]
+    assert got[1.0]["critic/advantages/cv_beta"] == 1.0
+    assert got[4.0]["critic/advantages/cv_beta"] == pytest.approx(3.0, rel=1e-9)
+    assert got[1.0]["critic/advantages/cv_beta_fit"] == pytest.approx(3.0, rel=1e-9)

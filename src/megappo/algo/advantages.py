@@ -544,12 +544,15 @@ class CvMemory:
     the recent batches, batch k back weighted decay^k. Every rank holds the same sums (they are
     DP-global); they go into the trainer's checkpoint, so a resumed run continues bit for bit."""
 
-    def __init__(self, decay: float = 0.0):
+    def __init__(self, decay: float = 0.0, beta_max: float = 1.0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
-        self.decay = float(decay)
+        if not beta_max > 0.0:
+            raise ValueError(f"beta_max must be > 0, got {beta_max!r}")
+        self.decay, self.beta_max = float(decay), float(beta_max)
         self.sums = torch.zeros(4, dtype=torch.float64)   # sum xy, sum xx, sum yy, clustered var of sum xy
         self.beta = 0.0                                    # the last beta used (critic/advantages/cv_beta)
+        self.beta_fit = 0.0                                # its least-squares fit (critic/advantages/cv_beta_fit)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "sums": [float(v) for v in self.sums], "beta": self.beta}
@@ -598,9 +601,10 @@ def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: flo
 
 def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, eps: float = 1e-6,
                           memory: CvMemory | None = None) -> float:
-    """The weight beta in [0, 1] of the critic's within-group correction: :func:`critic_cv_fit`'s
+    """The weight beta in [0, beta_max] of the critic's within-group correction: :func:`critic_cv_fit`'s
     beta_hat shrunk by its own noise, beta_hat * max(0, 1 - (se / beta_hat)^2) (positive-part
-    James-Stein), then clamped to [0, 1]; 0 when beta_hat <= 0.
+    James-Stein), then clamped to [0, beta_max]; 0 when beta_hat <= 0. ``beta_max``: the
+    ``memory``'s (:class:`CvMemory`), 1 without one.
 
     At lambda = 1, d_t = -(V(s_t) - V(s_0) minus its group mean at t): a state-dependent baseline,
     so ANY beta keeps the policy gradient unbiased, and the least-squares beta -- the regression of
@@ -609,11 +613,14 @@ def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, 
     0. The shrinkage is needed because the estimate is noisy exactly when the critic knows least:
     early on few groups have varied scores, and an unshrunk beta clamped at 0 is positive on
     about half the batches of a critic that knows nothing (measured on pick_first: 0.3-1.0 on
-    single batches while the critic's per-token credit was nil)."""
+    single batches while the critic's per-token credit was nil). A beta_hat above 1 is a critic
+    whose within-group values point the right way at too small a size (measured on copy with
+    critic_target=group_relative: 1.5-5 from step ~60); beta_max > 1 lets the weight scale it up."""
     beta, se = critic_cv_fit(o, d, std, response_mask, group_index, dp_group, eps, memory)
-    out = 0.0 if beta <= 0.0 else min(1.0, beta * max(0.0, 1.0 - (se / beta) ** 2))
+    beta_max = 1.0 if memory is None else memory.beta_max
+    out = 0.0 if beta <= 0.0 else min(beta_max, beta * max(0.0, 1.0 - (se / beta) ** 2))
     if memory is not None:
-        memory.beta = out
+        memory.beta, memory.beta_fit = out, beta
     return out
 
 

@@ -58,6 +58,11 @@ def rollout_correction(batch: RolloutBatch, cfg, dp_group) -> tuple[Optional[tor
     return weights, mask, metrics
 
 
+def cv_memory(cfg) -> algo.CvMemory:
+    """group_cv's running sums across steps, with the run's decay and top weight."""
+    return algo.CvMemory(cfg.algorithm.gae_cv_decay, cfg.algorithm.gae_cv_beta_max)
+
+
 def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memory=None) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """(token-level rewards: the scores, minus the KL penalty when it is in the reward; advantages;
@@ -81,6 +86,7 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memor
             advantages, rewards, batch.response_mask, batch.prompt_index, dp_group)
         if al.adv_estimator == "gae" and al.gae_adv_norm == "group_cv" and cv_memory is not None:
             metrics["critic/advantages/cv_beta"] = cv_memory.beta   # the weight these advantages used
+            metrics["critic/advantages/cv_beta_fit"] = cv_memory.beta_fit   # before shrinkage and clamp
         elif al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
             metrics["critic/advantages/cv_beta"] = algo.critic_cv_beta(
                 rewards, batch.values, batch.response_mask, batch.prompt_index, al.gamma, al.lam, dp_group)

@@ -79,7 +79,7 @@ class PPOTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
                                                 "horizon": k.horizon})
-        self.cv_memory = algo.CvMemory(cfg.algorithm.gae_cv_decay)   # group_cv's beta across steps
+        self.cv_memory = phases.cv_memory(cfg)   # group_cv's beta across steps
         self.sampler = PromptSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
                                      seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
