@@ -288,8 +288,9 @@ def test_group_centred_removes_the_group_common_part_of_the_critic_correction(la
     rewards, values, mask, index = _batch(seed=5)
     kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=lam)
     got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_centred", **kw)
-    # by hand: the group_shift advantage (unscaled) minus GRPO's outcome term is the critic's
-    # correction; subtract its mean over the group's samples present at each position
+    # by hand: the group_shift advantage (unscaled) minus the outcome's part (lambda^k (score - mean),
+    # k: tokens after t) is the critic's correction; subtract its mean over the group's samples
+    # present at each position
     score = (rewards * mask).sum(-1)
     shift = _group_shift_reference(rewards, values, mask, index, 1.0, lam, eps=0.0)
     want = torch.zeros_like(values)
@@ -297,9 +298,10 @@ def test_group_centred_removes_the_group_common_part_of_the_critic_correction(la
         g = index == index[i]
         mean, std = score[g].mean(), score[g].std()
         if std > 1e-6:
-            corr = (shift[g] * std - (score[g] - mean)[:, None]) * mask[g]
+            out = _outcome_by_hand(score[g] - mean, mask[g], lam)
+            corr = (shift[g] * std - out) * mask[g]
             common = corr.sum(0) / mask[g].sum(0).clamp(min=1)
-            want[i] = ((score[i] - mean) + shift[i] * std - (score[i] - mean) - common) * mask[i] / (std + 1e-6)
+            want[i] = (shift[i] * std - common) * mask[i] / (std + 1e-6)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     # a critic whose values depend only on the prompt and the position (shared by the group): GRPO
     # (at lambda 1; at lambda < 1 the outcome's lambda-decay is a per-sample term and stays)
@@ -310,9 +312,16 @@ def test_group_centred_removes_the_group_common_part_of_the_critic_correction(la
         torch.testing.assert_close(flat, grpo.double(), rtol=1e-5, atol=1e-5)
 
 
+def _outcome_by_hand(o, mask, lam):
+    """(n, T) lambda^k o_i at each response token (k: the sample's tokens after t; the reward at its
+    last token, gamma 1): GAE(lambda) of a critic that knows only the group's mean score."""
+    k = mask.sum(-1, keepdim=True) - 1 - torch.arange(mask.shape[1])[None, :]
+    return (lam ** k.clamp(min=0).to(torch.float64)) * o[:, None] * mask
+
+
 def _cv_parts_by_hand(rewards, values, mask, index, lam):
-    """GRPO's unscaled advantage o and the critic's within-group correction d, per sample by hand
-    (from the group_shift reference), and each sample's group std."""
+    """The outcome's unscaled part o (GRPO's at lambda 1) and the critic's within-group
+    correction d, per sample by hand (from the group_shift reference), and each sample's group std."""
     score = (rewards * mask).sum(-1)
     shift = _group_shift_reference(rewards, values, mask, index, 1.0, lam, eps=0.0)
     o, d, std = torch.zeros_like(values), torch.zeros_like(values), torch.zeros(len(score), dtype=torch.float64)
@@ -320,10 +329,11 @@ def _cv_parts_by_hand(rewards, values, mask, index, lam):
         g = index == index[i]
         mean, std[i] = score[g].mean(), score[g].std()
         if std[i] > 1e-6:
-            corr = (shift[g] * std[i] - (score[g] - mean)[:, None]) * mask[g]
+            out = _outcome_by_hand(score[g] - mean, mask[g], lam)
+            corr = (shift[g] * std[i] - out) * mask[g]
             common = corr.sum(0) / mask[g].sum(0).clamp(min=1)
-            o[i] = (score[i] - mean) * mask[i]
-            d[i] = (shift[i] * std[i] - (score[i] - mean) - common) * mask[i]
+            o[i] = out[int((g.nonzero()[:, 0] == i).nonzero()[0, 0])]     # sample i's row within its group
+            d[i] = (shift[i] * std[i] - o[i] - common) * mask[i]
     return o, d, std
 
 
@@ -356,6 +366,50 @@ def test_group_cv_weights_the_critic_by_a_shrunk_least_squares_fit_of_the_outcom
     # (the scores are summed in float32 inside: 1e-8 differences in o)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert abs(algo.critic_cv_beta(rewards, values, mask, index, 1.0, lam) - beta) < 1e-6
+
+
+@pytest.mark.parametrize("lam", [0.95, 0.7])
+def test_group_cv_at_lambda_below_1_sees_no_knowledge_in_a_critic_that_has_none(lam):
+    """GAE(lambda) of a constant critic is lambda^k (score - mean_g): the outcome's part, not the
+    critic's. Counted as the critic's correction, it made the fit 4.5 at lambda 0.95 for values
+    that are all 0 (beta clamped to 1 and logged as a critic that knows everything). A critic that
+    knows only the prompt gets beta 0 and the lambda-discounted outcome on the group's scale."""
+    from megappo.algo.advantages import _centred_parts, critic_cv_fit
+
+    def case(full):
+        rewards, _, mask, index = _batch(seed=21, groups=8, n=4, T=6)
+        if full:   # one length (a shared critic's future values then end at the same place for all)
+            rewards = torch.zeros_like(rewards)
+            rewards[:, -1] = torch.rand(len(index), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+            mask = torch.ones_like(mask)
+        return rewards, mask, index
+
+    # values all 0 (responses of varied lengths), and values the group shares at each position
+    g2 = torch.Generator().manual_seed(2)
+    for full, values_of in ((False, lambda m, i: torch.zeros(m.shape, dtype=torch.float64)),
+                            (True, lambda m, i: torch.randn(8, m.shape[1], dtype=torch.float64, generator=g2)[i] * m)):
+        rewards, mask, index = case(full)
+        values = values_of(mask, index)
+        kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=lam)
+        score = (rewards * mask).sum(-1)
+        want = torch.zeros(mask.shape, dtype=torch.float64)
+        for g in index.unique():
+            rows = index == g
+            mean, std = score[rows].mean(), score[rows].std()
+            if std > 1e-6:
+                want[rows] = _outcome_by_hand(score[rows] - mean, mask[rows], lam) / (std + 1e-6)
+        o, d, std = _centred_parts(rewards, values, mask, index, 1.0, lam, None)
+        assert critic_cv_fit(o, d, std, mask, index) == (0.0, float("inf"))
+        memory = algo.CvMemory(0.0, beta_max=10.0)
+        got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_cv", cv_memory=memory, **kw)
+        assert memory.beta == 0.0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # and one that knows a part of each outcome is still seen
+    rewards, mask, index = case(True)
+    score = rewards.sum(-1)
+    know = torch.zeros(mask.shape, dtype=torch.float64)
+    know[:, 1:] = score[:, None] / 2
+    assert algo.critic_cv_beta(rewards, know * mask, mask, index, 1.0, lam) > 0.5
 
 
 def test_group_cv_ignores_a_critic_whose_per_token_values_are_noise():

@@ -497,12 +497,20 @@ def group_shifted_gae(token_level_rewards, values, response_mask, group_index, g
 
 
 def _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group):
-    """(o, d, std): GRPO's advantage before its scale o_it = score_i - mean_g (B, T), the critic's
-    within-group correction d_it = C_it - mean_{j in g, t}(C_jt) (B, T), both float64 and masked,
-    and each sample's group score std (B,). See :func:`group_centred_gae`."""
+    """(o, d, std): the outcome's part of the advantage before its scale, o = GAE(gamma, lambda)
+    with every V(s_t) = the group's mean score (B, T): what a critic that knows nothing beyond the
+    prompt gives (GRPO's score_i - mean_g at gamma = lambda = 1 with the reward at the last token);
+    the critic's within-group correction d_it = C_it - mean_{j in g, t}(C_jt) (B, T), where
+    C = (the group_shift advantage) - o is the part that comes from V(s_t) - V(s_0) (GAE is
+    linear in the values); both float64 and masked; and each sample's group score std (B,).
+    Why o is not score - mean_g at lambda < 1: GAE(lambda) of a constant critic is
+    lambda^k (score - mean_g) (k: tokens after t), and counting the (lambda^k - 1)(score - mean_g)
+    as the critic's correction made group_cv's fit see knowledge where there is none (beta_hat 4.5
+    at lambda 0.95 for a critic that outputs 0). See :func:`group_centred_gae`."""
     x, score, mean, std = _shifted_gae(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
     m = response_mask.to(torch.float64)
-    o = (score - mean)[:, None] * m
+    o, _ = gae(token_level_rewards.to(torch.float64), mean[:, None] * m, response_mask, gamma, lam)
+    o = o * m
     c = (x - o) * m
     T = Tg = c.shape[1]
     if dp_group is not None:   # the ranks may hold different widths T: sum over the widest one's columns
@@ -520,14 +528,16 @@ def group_centred_gae(token_level_rewards, values, response_mask, group_index, g
     """:func:`group_shifted_gae` keeping only the part of the critic's correction that differs
     between the samples of a prompt group.
 
-    With O_i = score_i - mean_g (GRPO's advantage before its scale) and X_it the unnormalised
-    group_shift advantage, the critic's correction is C_it = X_it - O_i; its mean over the group's
-    samples that have a response token at t is a per-position baseline common to the whole
-    group (zero expected gradient: variance only), so it is removed:
-        A_it = (O_i + C_it - mean_{j in g, t}(C_jt)) / std_g          (0 where std_g = 0)
+    With O_it the outcome's part (GAE(lambda) of a critic that knows only the group's mean score:
+    score_i - mean_g, GRPO's advantage before its scale, at gamma = lambda = 1) and X_it the
+    unnormalised group_shift advantage, the critic's correction is C_it = X_it - O_it; its mean
+    over the group's samples that have a response token at t is a per-position baseline common
+    to the whole group (zero expected gradient: variance only), so it is removed:
+        A_it = (O_it + C_it - mean_{j in g, t}(C_jt)) / std_g          (0 where std_g = 0)
     A critic that knows nothing beyond the prompt (any V(s_t) shared by the group) gives exactly
-    GRPO; what is left is the critic's per-token knowledge (V(s_t) differs between samples only
-    through their earlier tokens). Returns (B, T)."""
+    GRPO at lambda = 1 (below 1, with one response length: lambda^k (score_i - mean_g)); what is
+    left is the critic's per-token knowledge (V(s_t) differs between samples only through their
+    earlier tokens). Returns (B, T)."""
     o, d, std = _centred_parts(token_level_rewards, values, response_mask, group_index, gamma, lam, dp_group)
     return _zero_masked(_on_group_scale(o + d, std, eps).to(values.dtype), response_mask)
 
