@@ -404,6 +404,20 @@ def test_group_cv_at_lambda_below_1_sees_no_knowledge_in_a_critic_that_has_none(
         got, _ = algo.compute_advantages("gae", values=values, gae_adv_norm="group_cv", cv_memory=memory, **kw)
         assert memory.beta == 0.0
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # rewards on several tokens (a KL penalty in the reward), lambda 1, values 0: the outcome's part
+    # is the reward to go minus the group's mean score (the rewards before t are known at t: they
+    # are not the critic's to weigh)
+    rewards, mask, index = case(True)
+    rewards[:, 1] = -0.1 * torch.rand(len(index), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    score = rewards.sum(-1)
+    _, mean, std = algo.group_stats(score, index)
+    to_go = rewards.flip(-1).cumsum(-1).flip(-1)
+    memory = algo.CvMemory(0.0)
+    got, _ = algo.compute_advantages("gae", token_level_rewards=rewards, response_mask=mask, group_index=index,
+                                     gamma=1.0, lam=1.0, values=torch.zeros_like(rewards), gae_adv_norm="group_cv",
+                                     cv_memory=memory)
+    assert memory.beta == 0.0
+    torch.testing.assert_close(got, (to_go - mean[:, None]) / (std[:, None] + 1e-6), rtol=1e-6, atol=1e-6)
     # and one that knows a part of each outcome is still seen
     rewards, mask, index = case(True)
     score = rewards.sum(-1)
