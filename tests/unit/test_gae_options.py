@@ -488,6 +488,7 @@ def test_group_cv_beta_max_lets_the_fit_scale_up_an_under_scaled_critic():
     assert critic_cv_coefficient(o, -o / 3, std, m, groups, memory=free) == pytest.approx(3.0, rel=1e-12)
     assert (free.beta, free.beta_fit) == pytest.approx((3.0, 3.0), rel=1e-12)
     assert critic_cv_coefficient(o, -o / 5, std, m, groups, memory=free) == 4.0       # clamped at beta_max
+    assert free.share == pytest.approx(0.2, rel=1e-12)     # the share the correction carries: 1/5
     # through the estimator: group_cv at lambda 1 on values that know a third of each outcome
     # (every response the same length: the group-common part at each position is then its mean score)
     rewards, index = torch.zeros(20, 6, dtype=torch.float64), torch.arange(5).repeat_interleave(4)
@@ -721,3 +722,35 @@ def test_the_trainer_builds_group_cvs_memory_from_the_config_and_logs_the_fit():
     assert got[1.0]["critic/advantages/cv_beta"] == 1.0
     assert got[4.0]["critic/advantages/cv_beta"] == pytest.approx(3.0, rel=1e-9)
     assert got[1.0]["critic/advantages/cv_beta_fit"] == pytest.approx(3.0, rel=1e-9)
+    # the share of the outcome the correction carries: a third of it on tokens 1-5, none on token 0
+    assert got[1.0]["critic/advantages/cv_share"] == pytest.approx(5 / 18, rel=1e-9)
+
+
+def test_cv_share_tells_a_critic_that_carries_the_outcome_from_one_that_only_points_its_way():
+    """The fit (and so the weight) reads the same for a critic whose correction is the outcome and
+    for one whose correction is a hundredth of it pointing the same way (clamped to 1 both); the
+    share tells them apart: 1 and 0.01, and 0 for a critic that knows only the prompt. It is this
+    batch's, not the memory's."""
+    from megappo.algo.advantages import critic_cv_coefficient
+
+    o = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    std, m = torch.full((8,), 0.5, dtype=torch.float64), torch.ones(8, 5)
+    groups = torch.arange(4).repeat_interleave(2)
+    full, tiny, none = algo.CvMemory(0.0), algo.CvMemory(0.0), algo.CvMemory(0.9)
+    assert critic_cv_coefficient(o, -o, std, m, groups, memory=full) == pytest.approx(1.0, rel=1e-12)
+    assert critic_cv_coefficient(o, -o / 100, std, m, groups, memory=tiny) == 1.0
+    assert (full.share, tiny.share) == pytest.approx((1.0, 0.01), rel=1e-12)
+    assert tiny.beta_fit == pytest.approx(100.0, rel=1e-9)
+    critic_cv_coefficient(o, -o / 2, std, m, groups, memory=none)
+    assert none.share == pytest.approx(0.5, rel=1e-12)
+    assert critic_cv_coefficient(o, torch.zeros_like(o), std, m, groups, memory=none) > 0   # the memory's fit
+    assert none.share == 0.0                                                                 # this batch's share
+    # groups whose scores all agree (std 0) and masked tokens count for nothing
+    std2, m2 = std.clone(), m.clone()
+    std2[:2], m2[2:, 3:] = 0.0, 0.0
+    d = -o / 4
+    d[:2] = -o[:2] * 3          # a group of equal scores: its "correction" is ignored
+    d[2:, 3:] = 7.0             # masked tokens: ignored
+    part = algo.CvMemory(0.0)
+    critic_cv_coefficient(o, d, std2, m2, groups, memory=part)
+    assert part.share == pytest.approx(0.25, rel=1e-12)

@@ -563,6 +563,7 @@ class CvMemory:
         self.sums = torch.zeros(4, dtype=torch.float64)   # sum xy, sum xx, sum yy, clustered var of sum xy
         self.beta = 0.0                                    # the last beta used (critic/advantages/cv_beta)
         self.beta_fit = 0.0                                # its least-squares fit (critic/advantages/cv_beta_fit)
+        self.share = 0.0                                   # the last batch's outcome share (critic/advantages/cv_share)
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "sums": [float(v) for v in self.sums], "beta": self.beta}
@@ -581,13 +582,21 @@ def critic_cv_fit(o, d, std, response_mask, group_index, dp_group=None, eps: flo
     groups whose scores differ (DP-global), and its standard error clustered by prompt group (a
     group's tokens share one outcome noise: counting tokens as independent would make the error
     look tens of times smaller than it is). (0.0, inf) when d is 0 there (or at rounding level).
-    With ``memory`` the sums are those of :class:`CvMemory` (this batch's added; memory updated)."""
+    With ``memory`` the sums are those of :class:`CvMemory` (this batch's added; memory updated), and
+    ``memory.share`` is this batch's sum(x y) / sum(y y) with x = -d / std_g, y = o / std_g: the share
+    of the outcome's within-group deviation that the critic's correction carries (the regression
+    the other way round). The fit alone cannot tell a critic that carries the outcome from one whose
+    tiny values merely point its way (both can fit 1 or more); the share can: 0 for a critic that
+    knows only the prompt, at most the part of the outcome knowable before each token for an exact
+    one (echo, decided by the first of 4 tokens: 3/4)."""
     live = (std > eps).to(torch.float64)[:, None] * response_mask.to(torch.float64)
     scale = live / (std.to(torch.float64)[:, None] + eps)
     y, x = o * scale, -d * scale
     t = torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
     if dp_group is not None:
         dist.all_reduce(t, group=dp_group)
+    if memory is not None:
+        memory.share = float(t[0] / t[2]) if float(t[2]) > 0 else 0.0
     # the recent batches' sums, batch k back weighted decay^k (their clustered variance decay^2k)
     prev, k = (torch.zeros(4, dtype=torch.float64), 0.0) if memory is None else (memory.sums, memory.decay)
     t = t.cpu() + k * prev[:3]
