@@ -263,6 +263,16 @@ def trl_lr(method: str, task: str) -> list[str]:
     return [f"actor_rollout_ref.actor.optim.lr={lr}"] + ([f"critic.optim.lr={lr}"] if method != "gae1_clip" else [])
 
 
+def _single_threaded(env: dict) -> dict:
+    """``env`` with torch's intra-op threads at 1 unless OMP_NUM_THREADS is set already. A process
+    otherwise takes one thread per core, and on models this small OpenMP's fork and join around
+    each tiny op costs more than the op (a `gae1` step on words alone on 2 cores, 2026-12-06: 2.02 s
+    with 2 threads, 1.13 s with 1, the same results); with --jobs runs at once it also
+    oversubscribes the cores. torchrun makes the same choice for its workers."""
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed: int, extra=(),
                 stop_at_target: bool = True) -> list[dict]:
     run_dir = out / f"{task}_{method}_s{seed}"
@@ -271,6 +281,7 @@ def run_megappo(method: str, task: str, paths: dict, out: Path, steps: int, seed
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     # this checkout's megappo, whatever the venv's editable install points at (PYTHONPATH kept after it)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
+    _single_threaded(env)
     # samples per step from the overrides actually passed (--extra may change n or the batch)
     last = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
     n = int(last["actor_rollout_ref.rollout.n"])
@@ -312,7 +323,7 @@ def run_trl(task: str, paths: dict, out: Path, steps: int, seed: int, stop_at_ta
             "--train", paths["train"], "--task", TASKS[task].get("setup", task), "--steps", str(steps), "--batch-size", str(TRL_BATCH),
             "--max-new-tokens", str(TASKS[task]["response"]), "--seed", str(seed), "--out", str(f), "--trl-metrics",
             *TRL_ARGS[task]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = _single_threaded(dict(os.environ, PYTHONPATH=str(ROOT / "src")))
 
     def read():
         rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]

@@ -5,6 +5,13 @@ from pathlib import Path
 
 import pytest
 
+# Every process of the suite (pytest's own, and the worlds and jobs it starts, which inherit the
+# variable) runs torch single-threaded unless OMP_NUM_THREADS says otherwise: on models this small
+# OpenMP's fork and join around each op costs more than the op, and worlds of 2-4 processes with a
+# thread per core each oversubscribe CI's 2 cores (three e2e and distributed tests, 2026-12-06:
+# 144 s -> 120 s). torchrun makes the same choice for its workers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -85,6 +85,25 @@ def test_the_harness_imports_this_checkout():
     assert sys.path.index(str(learning.ROOT / "src")) < len(sys.path)
 
 
+def test_the_harness_runs_each_process_single_threaded_unless_told():
+    """Its runs (megappo and TRL) get one torch thread each: a child started with the harness's
+    environment reports 1 where one started without it reports a thread per core; a user's own
+    OMP_NUM_THREADS is kept."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    assert subprocess.run(probe, env=learning._single_threaded(dict(base)), capture_output=True,
+                          text=True, check=True).stdout.strip() == "1"
+    assert learning._single_threaded(dict(base, OMP_NUM_THREADS="3"))["OMP_NUM_THREADS"] == "3"
+    cores = len(os.sched_getaffinity(0))
+    if cores > 1:   # without the variable torch takes every core (so the harness's choice matters)
+        assert subprocess.run(probe, env=base, capture_output=True, text=True,
+                              check=True).stdout.strip() == str(cores)
+
+
 def test_lookup_without_tools_is_the_same_run_with_multi_turn_off(tmp_path):
     """The tool-use task's two runs differ in the tool only: same data, model, settings."""
     from megappo.config import load_config, validate

@@ -90,13 +90,15 @@ def engine(models):
     torch.manual_seed(123)
     random.seed(5)
     threads = torch.get_num_threads()
+    torch.set_num_threads(2)   # vLLM's CPU worker sets 1 (the suite runs at 1): 2 shows it was undone
     before = (torch.get_rng_state(), random.getstate())
     eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=32,
                       max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20)
     # starting an engine must not disturb the trainer: same RNG streams, same thread count
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
-    assert torch.get_num_threads() == threads
+    assert torch.get_num_threads() == 2
     torch.set_num_threads(threads)  # still the real function, not vLLM's no-op replacement
+    assert torch.get_num_threads() == threads
     yield eng
     eng.shutdown()
 
