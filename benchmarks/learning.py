@@ -218,7 +218,8 @@ def _poll(proc: subprocess.Popen, out_file: Path, read, target: float, stop_at_t
                     proc.kill()
                     proc.wait()
                 return read()
-    return read()
+    # a run that failed before its first step has no curve: its caller reports the log
+    return read() if out_file.exists() else []
 
 
 def megappo_curve(metrics_file: Path, per_step: int, per_round: int) -> list[dict]:

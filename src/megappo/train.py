@@ -185,14 +185,12 @@ def main(argv=None) -> int:
 
 
 def _single_process_env() -> None:
-    """What torchrun would give the one process of a world of one: a free local port."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    """What torchrun would give the one process of a world of one, with port 0 for its store: the
+    store binds a port the system picks as it binds. A port found free first and bound later
+    could be taken in between (two such runs started together failed with EADDRINUSE, 2026-12-06);
+    nobody else connects to a world of one (its watchdog is off, world < 2)."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT="0")
 
 
 def _report_failure(e: BaseException) -> None:

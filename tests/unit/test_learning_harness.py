@@ -2,6 +2,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("learning_bench", REPO / "benchmarks" / "learning.py")
 learning = importlib.util.module_from_spec(spec)
@@ -102,6 +104,15 @@ def test_the_harness_runs_each_process_single_threaded_unless_told():
     if cores > 1:   # without the variable torch takes every core (so the harness's choice matters)
         assert subprocess.run(probe, env=base, capture_output=True, text=True,
                               check=True).stdout.strip() == str(cores)
+
+
+def test_a_run_that_fails_before_its_first_step_is_reported_with_its_log(tmp_path):
+    """Not a FileNotFoundError about the metrics it never wrote: the run, and its log's end."""
+    missing = tmp_path / "no_model"
+    paths = dict(model=str(missing), train=str(tmp_path / "no.parquet"), test=str(tmp_path / "no.parquet"))
+    with pytest.raises(RuntimeError, match="words/grpo/seed 0 failed") as e:
+        learning.run_megappo("grpo", "words", paths, tmp_path, 3, 0)
+    assert str(missing) in str(e.value), str(e.value)[-1500:]
 
 
 def test_lookup_without_tools_is_the_same_run_with_multi_turn_off(tmp_path):
