@@ -267,9 +267,10 @@ def trl_lr(method: str, task: str) -> list[str]:
 def _single_threaded(env: dict) -> dict:
     """``env`` with torch's intra-op threads at 1 unless OMP_NUM_THREADS is set already. A process
     otherwise takes one thread per core, and on models this small OpenMP's fork and join around
-    each tiny op costs more than the op (a `gae1` step on words on 2 cores, 2026-12-06, the same
-    results either way: alone 1.52-1.76 s with 2 threads, 1.15-1.17 s with 1; two runs at a time
-    1.25 s and 1.16 s). torchrun makes the same choice for its workers."""
+    each tiny op costs more than the op (a `gae1` step on words on 2 cores, 2026-12-06, bit-identical
+    runs either way: alone 1.52-1.76 s with 2 threads, 1.15-1.17 s with 1; two runs at a time 1.25 s
+    and 1.16 s; runs of 256 samples a step round differently with the thread count). torchrun makes
+    the same choice for its workers."""
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
