@@ -90,10 +90,19 @@ def engine(models):
     torch.manual_seed(123)
     random.seed(5)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)   # vLLM's CPU worker sets 1 (the suite runs at 1): 2 shows it was undone
+    # as a user's process: OMP_NUM_THREADS unset (the suite sets it: conftest), vLLM then free to
+    # choose its serving threads; the trainer holds 2, a count other than the suite's 1, so the
+    # checks below see a change of the count and a no-op torch.set_num_threads (vLLM's CPU worker
+    # installs one) alike
+    omp = os.environ.pop("OMP_NUM_THREADS", None)
+    torch.set_num_threads(2)
     before = (torch.get_rng_state(), random.getstate())
-    eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=32,
-                      max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20)
+    try:
+        eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=32,
+                          max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20)
+    finally:
+        if omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp
     # starting an engine must not disturb the trainer: same RNG streams, same thread count
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     assert torch.get_num_threads() == 2
