@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "FlashCoreAttention", "BalancedDispatch", "RoleBytes", "StageResult", "simulation_patches",
+__all__ = ["LiveBytes", "BalancedDispatch", "RoleBytes", "StageResult", "simulation_patches",
            "fake_world", "stage_rank", "simulate_stage", "FlopCount", "SIMULATED_PHASES", "LABEL"]
 
 LABEL = "simulated, not measured on a GPU"
@@ -99,24 +99,6 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> int:
         self.peak = self.current
         return self.current
-
-
-class FlashCoreAttention(torch.nn.Module):
-    """Causal core attention through ``scaled_dot_product_attention`` (grouped query heads), in
-    megatron's core-attention interface: [s, b, heads, d] in, [s, b, heads x d] out."""
-
-    def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None, softmax_scale=None,
-                 **_):
-        super().__init__()
-        self.scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                               enable_gqa=k.shape[1] != q.shape[1])
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 @contextlib.contextmanager
@@ -307,6 +289,7 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     added to the live bytes. The optimizer's Adam moments appear at its first step: one step of
     zero gradients is taken here, so that they count as the role's state."""
     from megappo.models import build_model, describe, transformer_config
+    from megappo.models.layers import SdpaCoreAttention
 
     info = describe(_hf_config(hf), tp=o.tp, value_head=value_head)
     moe = info.desc.num_experts > 0
@@ -316,7 +299,7 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     cfg.variable_seq_lengths = False
     out = RoleBytes()
     before = mem.current
-    chunks = build_model(info, cfg, value_head=value_head, core_attention=FlashCoreAttention)
+    chunks = build_model(info, cfg, value_head=value_head, core_attention=SdpaCoreAttention)
     out.weights = mem.current - before
     role = _Role(chunks, list(chunks), None, cfg, info.desc.vocab_size, value_head)
     if not r.trains:

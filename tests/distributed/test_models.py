@@ -72,6 +72,8 @@ def worlds(model_dirs, tmp_path_factory):
         errors[(world, tp, pp, vpp)] = str(root / f"lp_{world}_{tp}_{pp}_{vpp}.error")
         calls.setdefault(world, []).append((_logprob_worker, (tp, pp, vpp, model_dirs), errors[(world, tp, pp, vpp)]))
     errors["roundtrip"] = str(root / "roundtrip.error")
+    errors["sdpa"] = str(root / "sdpa.error")
+    calls[1].append((_sdpa_worker, (model_dirs,), errors["sdpa"]))
     calls[4].append((_roundtrip_and_critic_worker, (model_dirs,), errors["roundtrip"]))
     for world, world_calls in sorted(calls.items()):
         spawn_each(world, world_calls)
@@ -172,3 +174,60 @@ def _check_shared_gather(chunks, info, original, arch):
 
 def test_roundtrip_bit_exact_and_critic_gradients_tp2pp2(worlds):
     raise_if_failed(worlds["roundtrip"])
+
+
+def _sdpa_worker(rank, world, dirs):
+    """SdpaCoreAttention against megatron's DotProductAttention (the reference it replaces in the
+    local spec): outputs and q/k/v gradients, causal and unmasked, grouped and plain heads; and
+    which one the local spec picks."""
+    setup(1, 1)
+    import dataclasses
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megappo.models import describe, layer_spec, load_hf_config, transformer_config
+    from megappo.models.layers import SdpaCoreAttention
+
+    info = describe(load_hf_config(os.path.join(dirs, "qwen3")))
+    base = transformer_config(info, cpu=True)
+    g = torch.Generator().manual_seed(3)
+    for groups in (base.num_query_groups, base.num_attention_heads):
+        config = dataclasses.replace(base, num_query_groups=groups)
+        for mask in (AttnMaskType.causal, AttnMaskType.no_mask):
+            kw = dict(config=config, layer_number=1, attn_mask_type=mask, attention_type="self")
+            ref, fast = DotProductAttention(**kw), SdpaCoreAttention(**kw)
+            s, b, d = 9, 3, config.kv_channels
+            q = torch.randn(s, b, config.num_attention_heads, d, generator=g)
+            k, v = (torch.randn(s, b, groups, d, generator=g) for _ in range(2))
+            outs, grads = [], []
+            for attn in (ref, fast):
+                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                out = attn(*leaves, attention_mask=None)
+                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+                outs.append(out.detach())
+                grads.append([x.grad for x in leaves])
+            assert outs[0].shape == outs[1].shape == (s, b, config.num_attention_heads * d)
+            diff = (outs[0] - outs[1]).abs().max().item()
+            assert diff < 1e-5, f"{groups} groups, {mask}: output diff {diff}"
+            for name, a, c in zip("qkv", *grads):
+                gd = (a - c).abs().max().item()
+                assert gd < 1e-5, f"{groups} groups, {mask}: d{name} diff {gd}"
+    try:
+        fast(q, k, v, attention_mask=torch.ones(b, 1, s, s, dtype=torch.bool))
+    except ValueError as e:
+        assert "explicit attention mask" in str(e)
+    else:
+        raise AssertionError("a mask tensor was ignored")
+
+    def core(config):
+        spec = layer_spec(config, info.desc.qk_layernorm, use_te=False)
+        return spec.layer_specs[0].submodules.self_attention.submodules.core_attention
+
+    assert core(base) is SdpaCoreAttention
+    for change in (dict(window_size=(4, 0)), dict(attention_dropout=0.1), dict(apply_query_key_layer_scaling=True)):
+        assert core(dataclasses.replace(base, **change)) is DotProductAttention, change
+
+
+def test_sdpa_core_attention_equals_megatrons(worlds):
+    raise_if_failed(worlds["sdpa"])
