@@ -288,8 +288,7 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     """One role at full size (fake), its DDP buffers and optimizer when it trains, and what each
     added to the live bytes. The optimizer's Adam moments appear at its first step: one step of
     zero gradients is taken here, so that they count as the role's state."""
-    from megappo.models import build_model, describe, transformer_config
-    from megappo.models.layers import SdpaCoreAttention
+    from megappo.models import SdpaCoreAttention, build_model, describe, transformer_config
 
     info = describe(_hf_config(hf), tp=o.tp, value_head=value_head)
     moe = info.desc.num_experts > 0

@@ -186,8 +186,7 @@ def _sdpa_worker(rank, world, dirs):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megappo.models import describe, layer_spec, load_hf_config, transformer_config
-    from megappo.models.layers import SdpaCoreAttention
+    from megappo.models import SdpaCoreAttention, describe, layer_spec, load_hf_config, transformer_config
 
     info = describe(load_hf_config(os.path.join(dirs, "qwen3")))
     base = transformer_config(info, cpu=True)
