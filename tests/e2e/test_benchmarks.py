@@ -69,6 +69,31 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
 
 
 @pytest.mark.e2e
+def test_pg_variance_reads_a_gae_runs_checkpoint(tmp_path):
+    """benchmarks/pg_variance.py on a 3-step gae run's checkpoint: actor and critic exported, the
+    run's beta read from its metrics, and the variance figures consistent with it."""
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--tasks", "echo",
+                        "--methods", "gae", "--out", str(tmp_path), "--extra", "trainer.save_freq=3"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "echo_gae_s0"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "pg_variance.py"), "--run", str(run), "--setup",
+                        str(tmp_path / "setup_echo_s0"), "--task", "echo", "--steps", "3", "--batches", "4",
+                        "--prompts", "4", "--oracle"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert (run / "hf" / "step3_actor" / "config.json").exists() and (run / "hf" / "step3_critic" / "config.json").exists()
+    step3 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert step3["step"] == 3 and row["run_beta"] == step3["critic/advantages/cv_beta"]
+    assert row["step"] == 3 and 0.0 <= row["score"] <= 1.0
+    assert all(isinstance(row[k], float) and row[k] == row[k] for k in ("critic_V_ratio_at_1", "oracle_V_ratio_at_1",
+                                                                         "critic_beta_star", "snr_grpo"))
+    if row["run_beta"] == 0.0:      # GRPO's advantage exactly: nothing removed, by either measure
+        assert row["critic_V_ratio_at_run_beta"] == 1.0 and row["token_ratio_at_run_beta"] == 1.0
+    assert "| step |" in p.stdout
+
+
+@pytest.mark.e2e
 def test_lora_benchmark_quick_ends_with_json(tmp_path):
     """benchmarks/lora.py --quick (full fine-tuning and LoRA, 3 steps each): the sync bytes it
     reports are the whole model's and the adapters' (computed here from the model's config)."""
