@@ -29,7 +29,7 @@ MAIN_JOB = REQUIRED + [
     "critic/score/max", "critic/score/min", "critic/rewards/max", "critic/rewards/min", "critic/advantages/max",
     "critic/advantages/min", "critic/returns/max", "critic/returns/min", "critic/values/mean", "critic/values/max",
     "critic/values/min", "critic/values/std", "critic/returns/std", "critic/advantages_returns_corr",
-    "critic/advantages/cv_beta_fit", "critic/advantages/cv_share",
+    "critic/advantages/cv_beta_fit", "critic/advantages/cv_share", "critic/advantages/cv_gain",
     "response_length/max", "prompt_length/max", "prompt_length/min",
     "timing_s/reward", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv", "timing_s/update_critic",
     "timing_s/update_actor", "timing_s/sync", "perf/max_memory_allocated_gb"]
@@ -67,6 +67,7 @@ def test_tiny_cpu_main_job(tmp_path):
     assert first["critic/values/max"] == first["critic/values/min"] == 0.0, first
     assert first["critic/advantages/cv_beta"] == 0.0 and first["critic/advantages/equal_score_share"] == 0.0, first
     assert first["critic/advantages/cv_share"] == 0.0, first   # values all 0 carry none of the outcome
+    assert first["critic/advantages/cv_gain"] == 0.0, first    # and remove none of GRPO's variance
     assert max(r["critic/advantages/cv_beta"] for r in train) > 0.5, [r["critic/advantages/cv_beta"] for r in train]
     var_r = first["critic/returns/std"] ** 2   # verl's formula has +1e-5 in the denominator
     assert first["critic/vf_explained_var"] == pytest.approx(1 - var_r / (var_r + 1e-5), abs=1e-6), first

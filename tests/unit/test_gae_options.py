@@ -754,3 +754,46 @@ def test_cv_share_tells_a_critic_that_carries_the_outcome_from_one_that_only_poi
     part = algo.CvMemory(0.0)
     critic_cv_coefficient(o, d, std2, m2, groups, memory=part)
     assert part.share == pytest.approx(0.25, rel=1e-12)
+
+
+def test_cv_gain_is_the_share_of_grpos_advantage_variance_the_correction_removes():
+    """critic/advantages/cv_gain = 1 - sum(A_gae^2) / sum(A_grpo^2) over the batch, computed here from
+    the two estimators' advantages; 0 for a critic that knows only the prompt; negative when the
+    weight (carried over from earlier batches) no longer fits this batch's critic."""
+    from types import SimpleNamespace
+
+    from megappo.config import load_config
+    from megappo.trainer import phases
+
+    g = torch.Generator().manual_seed(21)
+    rewards, index = torch.zeros(24, 6, dtype=torch.float64), torch.arange(6).repeat_interleave(4)
+    rewards[:, -1] = torch.rand(24, generator=g, dtype=torch.float64)
+    rewards[:4, -1] = 0.5                                   # a group that scored alike: 0 in both
+    mask = torch.ones(24, 6)
+    knows = torch.zeros(24, 6, dtype=torch.float64)
+    knows[:, 1:] = 0.6 * rewards[:, -1:] + 0.05 * torch.randn(24, 1, generator=g, dtype=torch.float64)
+    wrong = torch.zeros(24, 6, dtype=torch.float64)
+    wrong[:, 1:] = -0.2 * rewards[:, -1:]                   # a fifth of the outcome, the wrong way round
+
+    def batch(values):
+        return SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
+                               old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
+                               reward_components=None)
+
+    cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.gae_cv_decay=0.9"], ("tiny_cpu",))
+    grpo_cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo"], ("tiny_cpu",))
+    grpo = phases.rewards_and_advantages(batch(knows), grpo_cfg, None, None)[1].to(torch.float64)
+    memory = phases.cv_memory(cfg)
+    _, adv, _, m = phases.rewards_and_advantages(batch(knows), cfg, None, None, cv_memory=memory)
+    assert 0.3 < m["critic/advantages/cv_beta"] <= 1.0
+    want = 1 - float((adv.to(torch.float64) ** 2).sum() / (grpo ** 2).sum())
+    assert m["critic/advantages/cv_gain"] == pytest.approx(want, rel=1e-4) and want > 0.2
+    # the next batch's critic points the wrong way, but the weight leans on the memory: it costs
+    _, adv, _, m = phases.rewards_and_advantages(batch(wrong), cfg, None, None, cv_memory=memory)
+    assert m["critic/advantages/cv_beta"] > 0.3
+    want = 1 - float((adv.to(torch.float64) ** 2).sum() / (grpo ** 2).sum())
+    assert m["critic/advantages/cv_gain"] == pytest.approx(want, rel=1e-4) and want < 0
+    # a critic that knows only the prompt (values shared by the group at every position): 0
+    prompt_only = torch.zeros(24, 6, dtype=torch.float64) + index[:, None].to(torch.float64) / 10
+    m = phases.rewards_and_advantages(batch(prompt_only), cfg, None, None, cv_memory=phases.cv_memory(cfg))[3]
+    assert m["critic/advantages/cv_gain"] == 0.0

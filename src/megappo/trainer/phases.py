@@ -88,6 +88,7 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memor
             metrics["critic/advantages/cv_beta"] = cv_memory.beta   # the weight these advantages used
             metrics["critic/advantages/cv_beta_fit"] = cv_memory.beta_fit   # before shrinkage and clamp
             metrics["critic/advantages/cv_share"] = cv_memory.share   # the outcome's share the critic carries
+            metrics["critic/advantages/cv_gain"] = cv_memory.gain     # GRPO's advantage variance it removes
         elif al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
             metrics["critic/advantages/cv_beta"] = algo.critic_cv_beta(
                 rewards, batch.values, batch.response_mask, batch.prompt_index, al.gamma, al.lam, dp_group)
