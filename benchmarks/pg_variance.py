@@ -78,7 +78,8 @@ def run_beta(run: Path, step: int) -> float | None:
 def sample_batch(policy, tok, queries, table, score_batch, n_prompts: int, n: int, max_new: int, rng: random.Random,
                  gen: torch.Generator):
     """(input_ids (B, L) right-padded, prompt_len (B,), response_mask (B, T), rewards (B, T), group (B,),
-    response ids (B, T)) for n samples of each of n_prompts prompts drawn at random."""
+    response ids (B, T), each sample's prompt ids) for n samples of each of n_prompts prompts drawn
+    at random."""
     picks = [queries[rng.randrange(len(queries))] for _ in range(n_prompts)]
     eos, pad = tok.eos_token_id, tok.pad_token_id
     seqs, plens, resps, groups = [], [], [], []
@@ -191,18 +192,19 @@ def measure(policy, critic, tok, queries, table, score_batch, args, step_beta, t
         full = centred(rewards, values, mask, group)
         d = full - o
         logp = response_logp(policy, ids, pos)
-        ntok = mask.sum()
-        go.append(flat_grad((o.float() * logp * mask).sum() / ntok, params))
-        gd.append(flat_grad((d.float() * logp * mask).sum() / ntok, params))
+
+        def pg(adv):   # the token-mean policy gradient of advantages adv at ratio 1
+            return flat_grad((adv.float() * logp * mask).sum() / mask.sum(), params)
+
+        go.append(pg(o))
+        gd.append(pg(d))
         if args.oracle:
             ov = oracle_values(task, tok, prompts, response, mask, rewards.sum(1))
-            dr = centred(rewards, ov, mask, group) - o
-            gor.append(flat_grad((dr.float() * logp * mask).sum() / ntok, params))
+            gor.append(pg(centred(rewards, ov, mask, group) - o))
         # the token-level least-squares weight group_cv estimates (sums over the batches)
         m = mask.double()
         fits.append(torch.stack([(-d * o * m).sum(), (d * d * m).sum(), (o * o * m).sum()]))
         scores.append(float(rewards.sum(1).mean()))
-        del logp
     res = {"score": sum(scores) / len(scores), "run_beta": step_beta}
     f = torch.stack(fits).sum(0)
     res["token_fit_beta"] = float(f[0] / f[1]) if float(f[1]) > 0 else None
