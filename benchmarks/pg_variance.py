@@ -29,6 +29,10 @@ many right words precede each token (V(s_t) = right words before t / 8, the part
 that is settled), for echo one that knows the outcome once the first word is out: what per-token
 values that know the settled credit would buy (each a function of the tokens before t, so its
 mean gradient is 0 too: the printed bias check says whether it is).
+``--probe`` adds linear values fitted by least squares (on ``--probe-batches`` other batches:
+the score of each sample on each of its tokens) on the actor's and on the critic's last hidden
+state before each token, with the token's position: what a value head on either trunk could
+extract now, against what the trained critic's own head does.
 
 Runs in one process on CPU (transformers, no megatron, no vLLM); ends with one JSON line.
 """
@@ -174,14 +178,51 @@ def critic_values(critic, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tens
     return torch.gather(v, 1, pos) * mask
 
 
+def features(model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) ``model``'s last hidden state (after its final norm) at the position before each
+    response token: what a linear value head on that trunk sees of the state s_t."""
+    with torch.no_grad():
+        h = model(ids, output_hidden_states=True).hidden_states[-1].float()
+    return torch.gather(h, 1, pos[..., None].expand(-1, -1, h.shape[-1]))
+
+
+def probe_inputs(feats: torch.Tensor) -> torch.Tensor:
+    """(B, T, H + T + 1): the features, a one-hot of the response position and a constant."""
+    B, T, _ = feats.shape
+    return torch.cat([feats, torch.eye(T).expand(B, T, T), torch.ones(B, T, 1)], -1).double()
+
+
+def fit_probe(xs: list[torch.Tensor], ys: list[torch.Tensor], ms: list[torch.Tensor], ridge: float = 1e-3) -> torch.Tensor:
+    """Least-squares weights w (D,) of returns on probe inputs over the masked tokens of batches
+    (xs (B, T, D), ys (B,) scores, ms (B, T)), with a ridge of ``ridge`` times the mean diagonal."""
+    A = sum(torch.einsum("btd,bte,bt->de", x, x, m.double()) for x, m in zip(xs, ms))
+    b = sum(torch.einsum("btd,b,bt->d", x, y.double(), m.double()) for x, y, m in zip(xs, ys, ms))
+    A = A + ridge * torch.diagonal(A).mean() * torch.eye(A.shape[0], dtype=A.dtype)
+    return torch.linalg.solve(A, b)
+
+
 def flat_grad(loss, params) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)]).to(torch.float64)
 
 
 def measure(policy, critic, tok, queries, table, score_batch, args, step_beta, task):
     params = [p for p in policy.parameters() if p.requires_grad]
+    probes = {}
+    if args.probe:   # linear values on each trunk's features, fitted on batches the measurement does not use
+        rng, gen = random.Random(args.seed + 10_000), torch.Generator().manual_seed(args.seed + 10_000)
+        data = {"actor": ([], [], []), "critic": ([], [], [])}
+        for _ in range(args.probe_batches):
+            ids, plen, mask, rewards, group, response, prompts = sample_batch(
+                policy, tok, queries, table, score_batch, args.prompts, args.n, args.max_new, rng, gen)
+            pos = response_positions(plen, mask.shape[1]).clamp(max=ids.shape[1] - 1)
+            for name, model in (("actor", policy), ("critic", critic)):
+                data[name][0].append(probe_inputs(features(model, ids, pos)))
+                data[name][1].append(rewards.sum(1))
+                data[name][2].append(mask)
+        probes = {name: fit_probe(*d) for name, d in data.items()}
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     go, gd, gor, fits = [], [], [], []
+    gp = {name: [] for name in probes}
     scores = []
     for _ in range(args.batches):
         ids, plen, mask, rewards, group, response, prompts = sample_batch(
@@ -201,6 +242,10 @@ def measure(policy, critic, tok, queries, table, score_batch, args, step_beta, t
         if args.oracle:
             ov = oracle_values(task, tok, prompts, response, mask, rewards.sum(1))
             gor.append(pg(centred(rewards, ov, mask, group) - o))
+        for name, w in probes.items():
+            model = policy if name == "actor" else critic
+            pv = (probe_inputs(features(model, ids, pos)) @ w).float() * mask
+            gp[name].append(pg(centred(rewards, pv, mask, group) - o))
         # the token-level least-squares weight group_cv estimates (sums over the batches)
         m = mask.double()
         fits.append(torch.stack([(-d * o * m).sum(), (d * d * m).sum(), (o * o * m).sum()]))
@@ -213,6 +258,8 @@ def measure(policy, critic, tok, queries, table, score_batch, args, step_beta, t
     res.update(_variances(torch.stack(go), torch.stack(gd), step_beta, "critic"))
     if args.oracle:
         res.update(_variances(torch.stack(go), torch.stack(gor), None, "oracle"))
+    for name, g in gp.items():
+        res.update(_variances(torch.stack(go), torch.stack(g), None, f"probe_{name}"))
     return res
 
 
@@ -246,6 +293,8 @@ def markdown_table(rows: list[dict]) -> str:
             ("token_fit_beta", "token fit", "{:.2f}"), ("critic_beta_star", "beta*", "{:.2f}"),
             ("critic_V_ratio_at_run_beta", "V at run's beta", "{:.3f}"), ("token_ratio_at_run_beta", "sum A^2 at run's beta", "{:.3f}"), ("critic_V_ratio_at_1", "V at 1", "{:.3f}"),
             ("critic_V_ratio_at_beta_star", "V at beta*", "{:.3f}"), ("oracle_V_ratio_at_1", "oracle V at 1", "{:.3f}"),
+            ("probe_actor_V_ratio_at_beta_star", "actor probe V at beta*", "{:.3f}"),
+            ("probe_critic_V_ratio_at_beta_star", "critic probe V at beta*", "{:.3f}"),
             ("snr_grpo", "GRPO's SNR", "{:.3f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
@@ -266,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=None, help="default: learning.py's response length for the task")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle", action="store_true", help="pick_first, copy, echo: also a critic with the settled part of E[R | s_t]")
+    ap.add_argument("--probe", action="store_true",
+                    help="also linear values fitted (least squares on --probe-batches other batches) on the actor's and the critic's last hidden state")
+    ap.add_argument("--probe-batches", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None, help="where the exports go (default: RUN/hf)")
     args = ap.parse_args(argv)
     import learning

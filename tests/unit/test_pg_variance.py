@@ -135,3 +135,31 @@ def test_echo_oracle_knows_the_outcome_once_the_first_word_is_out():
     v = pgv.oracle_values("echo", _WordTok(), [[1]] * 4, response, mask, torch.tensor([1.0, 1.0, 0.0, 1.0]))
     torch.testing.assert_close(v, torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 1]],
                                                dtype=torch.float32))
+
+
+def test_probe_features_are_the_last_hidden_state_before_each_response_token():
+    policy = _tiny("policy")
+    ids, plen, mask, seqs = _batch()
+    f = pgv.features(policy, ids, pgv.response_positions(plen, mask.shape[1]))
+    p, r = seqs[1]
+    h = policy(torch.tensor([p + r]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(f[1], h[len(p) - 1:len(p) - 1 + len(r)].float(), rtol=1e-5, atol=1e-5)
+    x = pgv.probe_inputs(f)
+    assert x.shape == (2, 3, 32 + 3 + 1)
+    assert torch.equal(x[:, :, 32:35], torch.eye(3, dtype=torch.float64).expand(2, 3, 3)) and bool((x[..., -1] == 1).all())
+
+
+def test_fit_probe_is_least_squares_on_the_masked_tokens():
+    """Without the ridge, the weights of two batches' masked tokens equal lstsq on their rows
+    stacked (the outcome of each sample repeated on each of its tokens); unmasked rows count for nothing."""
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(6, 4, 5, generator=g, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randn(6, generator=g) for _ in range(2)]
+    ms = [torch.ones(6, 4), torch.ones(6, 4)]
+    ms[1][2:, 3] = 0
+    w = pgv.fit_probe(xs, ys, ms, ridge=0.0)
+    rows = torch.cat([x[m.bool()] for x, m in zip(xs, ms)])
+    tgt = torch.cat([y.double()[:, None].expand(-1, 4)[m.bool()] for y, m in zip(ys, ms)])
+    torch.testing.assert_close(w, torch.linalg.lstsq(rows, tgt[:, None]).solution[:, 0], rtol=1e-8, atol=1e-10)
+    xs[1][2:, 3] = 1e3                                          # garbage where the mask is 0
+    torch.testing.assert_close(pgv.fit_probe(xs, ys, ms, ridge=0.0), w, rtol=1e-8, atol=1e-10)
