@@ -30,7 +30,8 @@ Methods (see MEGAPPO and TRL_ARGS):
   gae        megappo PPO with GAE and a critic, n=8 (batch 32 x 8, one epoch, lr 1e-3): GRPO's settings,
              every other key at megappo's default (for gae with n > 1: gae_adv_norm group_cv, lam 1,
              critic betas 0.9/0.95, one critic pass; until 2026-12-05 8 passes: gae_cv_fit;
-             the critic's weight up to gae_cv_beta_max 3, 1 until 2026-12-06)
+             the critic's weight up to gae_cv_beta_max 3, 1 until 2026-12-06; 0 until the fit's
+             t-statistic reaches gae_cv_min_t 3, 1 until 2026-12-06)
   gae_batch  what gae was before those defaults: verl's batch whitening, lam 0.95, one critic pass
   gae_group  the same with algorithm.gae_adv_norm=group (the group's baseline and scale)
   gae_centred  the same with algorithm.gae_adv_norm=group_centred and lam 1: GRPO's advantage plus

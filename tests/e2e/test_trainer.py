@@ -29,7 +29,7 @@ MAIN_JOB = REQUIRED + [
     "critic/score/max", "critic/score/min", "critic/rewards/max", "critic/rewards/min", "critic/advantages/max",
     "critic/advantages/min", "critic/returns/max", "critic/returns/min", "critic/values/mean", "critic/values/max",
     "critic/values/min", "critic/values/std", "critic/returns/std", "critic/advantages_returns_corr",
-    "critic/advantages/cv_beta_fit", "critic/advantages/cv_share", "critic/advantages/cv_gain",
+    "critic/advantages/cv_beta_fit", "critic/advantages/cv_share", "critic/advantages/cv_gain", "critic/advantages/cv_t",
     "response_length/max", "prompt_length/max", "prompt_length/min",
     "timing_s/reward", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv", "timing_s/update_critic",
     "timing_s/update_actor", "timing_s/sync", "perf/max_memory_allocated_gb"]
@@ -69,6 +69,9 @@ def test_tiny_cpu_main_job(tmp_path):
     assert first["critic/advantages/cv_share"] == 0.0, first   # values all 0 carry none of the outcome
     assert first["critic/advantages/cv_gain"] == 0.0, first    # and remove none of GRPO's variance
     assert max(r["critic/advantages/cv_beta"] for r in train) > 0.5, [r["critic/advantages/cv_beta"] for r in train]
+    # the gate (algorithm.gae_cv_min_t 3): no weight on a fit whose t-statistic is below 3
+    gated = [(r["step"], r["critic/advantages/cv_t"], r["critic/advantages/cv_beta"]) for r in train]
+    assert all(b == 0.0 for _, t, b in gated if t < 3.0) and any(b > 0.0 for _, t, b in gated), gated
     var_r = first["critic/returns/std"] ** 2   # verl's formula has +1e-5 in the denominator
     assert first["critic/vf_explained_var"] == pytest.approx(1 - var_r / (var_r + 1e-5), abs=1e-6), first
     ev = [r["critic/vf_explained_var"] for r in train]

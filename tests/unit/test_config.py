@@ -471,6 +471,7 @@ RULES = [
     (["algorithm.gae_adv_norm=token"], {}, "algorithm.gae_adv_norm", "must be auto, batch, group, group_shift, group_centred or group_cv, got 'token'"),
     (["algorithm.gae_cv_decay=1.0"], {}, "algorithm.gae_cv_decay", "must be in [0, 1), got 1.0"),
     (["algorithm.gae_cv_beta_max=0"], {}, "algorithm.gae_cv_beta_max", "must be > 0, got 0.0"),
+    (["algorithm.gae_cv_min_t=0.5"], {}, "algorithm.gae_cv_min_t", "must be >= 1, got 0.5"),
     (["algorithm.critic_target=mean"], {}, "algorithm.critic_target", "must be return or group_relative, got 'mean'"),
     (["algorithm.critic_target=group_relative", "algorithm.gae_adv_norm=group"], {}, "algorithm.critic_target",
      "only gae_adv_norm group_shift, group_centred or group_cv (n > 1) read correctly; this run has gae_adv_norm='group'"),

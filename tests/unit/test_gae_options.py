@@ -797,3 +797,65 @@ def test_cv_gain_is_the_share_of_grpos_advantage_variance_the_correction_removes
     prompt_only = torch.zeros(24, 6, dtype=torch.float64) + index[:, None].to(torch.float64) / 10
     m = phases.rewards_and_advantages(batch(prompt_only), cfg, None, None, cv_memory=phases.cv_memory(cfg))[3]
     assert m["critic/advantages/cv_gain"] == 0.0
+
+
+def test_group_cv_min_t_keeps_grpos_advantages_until_the_fit_is_significant():
+    """gae_cv_min_t gates the weight on the fit's t-statistic: a batch whose fit is positive but
+    weak (t ~1.5) gets a small weight from the shrinkage alone (min_t 1) and exactly GRPO's
+    advantages with min_t 3; a critic that carries the outcome (t far above 3) gets the same weight
+    either way. memory.t is the fit's beta_hat / se (critic/advantages/cv_t)."""
+    from megappo.algo.advantages import critic_cv_coefficient, critic_cv_fit
+
+    (o, d, std), mask, index = _cv_batch(4, 0.5)
+    beta_hat, se = critic_cv_fit(o, d, std, mask, index)
+    assert 1.2 < beta_hat / se < 2.5, beta_hat / se          # the construction: a weak, positive fit
+    open_, gated = algo.CvMemory(0.0), algo.CvMemory(0.0, min_t=3.0)
+    assert critic_cv_coefficient(o, d, std, mask, index, memory=open_) > 0.0
+    assert critic_cv_coefficient(o, d, std, mask, index, memory=gated) == 0.0
+    assert gated.t == pytest.approx(beta_hat / se, rel=1e-12) and open_.t == gated.t
+    assert gated.beta_fit == pytest.approx(beta_hat, rel=1e-12) and gated.gain == 0.0
+    # through the estimator: the gated advantages are GRPO's
+    rewards, values, mask, index = _batch(seed=4, groups=6, n=4, T=7)
+    score = (rewards * mask).sum(-1)
+    values = (values + 0.5 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=1.0,
+              values=values, gae_adv_norm="group_cv")
+    grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
+    gated_adv, _ = algo.compute_advantages("gae", cv_memory=algo.CvMemory(0.0, min_t=3.0), **kw)
+    open_adv, _ = algo.compute_advantages("gae", cv_memory=algo.CvMemory(0.0), **kw)
+    torch.testing.assert_close(gated_adv, grpo.double(), rtol=1e-5, atol=1e-5)
+    assert (open_adv - grpo.double()).abs().max() > 1e-3
+    # a strong critic: the gate is open and changes nothing
+    g = torch.Generator().manual_seed(7)
+    o = torch.randn(16, 5, dtype=torch.float64, generator=g)
+    d = -o / 2 + 0.1 * torch.randn(16, 5, dtype=torch.float64, generator=g)
+    std, m, groups = torch.ones(16, dtype=torch.float64), torch.ones(16, 5), torch.arange(8).repeat_interleave(2)
+    strong, plain = algo.CvMemory(0.0, beta_max=3.0, min_t=3.0), algo.CvMemory(0.0, beta_max=3.0)
+    assert critic_cv_coefficient(o, d, std, m, groups, memory=strong) == critic_cv_coefficient(o, d, std, m, groups, memory=plain) > 1.5
+    assert strong.t > 10.0
+    with pytest.raises(ValueError, match="min_t must be >= 1"):
+        algo.CvMemory(0.9, min_t=0.5)
+
+
+def test_the_trainer_passes_gae_cv_min_t_and_logs_cv_t():
+    from types import SimpleNamespace
+
+    from megappo.config import load_config
+    from megappo.trainer import phases
+
+    rewards, values, mask, index = _batch(seed=4, groups=6, n=4, T=7)
+    score = (rewards * mask).sum(-1)
+    values = (values + 0.5 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
+                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
+                            reward_components=None)
+    got = {}
+    for min_t in (1.0, 3.0):
+        cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.gae_cv_decay=0.0",
+                           f"algorithm.gae_cv_min_t={min_t}"], ("tiny_cpu",))
+        memory = phases.cv_memory(cfg)
+        assert memory.min_t == min_t
+        got[min_t] = phases.rewards_and_advantages(batch, cfg, None, None, cv_memory=memory)[3]
+    assert got[1.0]["critic/advantages/cv_t"] == got[3.0]["critic/advantages/cv_t"]
+    assert 1.2 < got[3.0]["critic/advantages/cv_t"] < 2.5
+    assert got[1.0]["critic/advantages/cv_beta"] > 0.0 == got[3.0]["critic/advantages/cv_beta"]

@@ -15,6 +15,7 @@ single-process computation on the concatenated batch, however it is split over r
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Callable
 
 import torch
@@ -554,12 +555,15 @@ class CvMemory:
     the recent batches, batch k back weighted decay^k. Every rank holds the same sums (they are
     DP-global); they go into the trainer's checkpoint, so a resumed run continues bit for bit."""
 
-    def __init__(self, decay: float = 0.0, beta_max: float = 1.0):
+    def __init__(self, decay: float = 0.0, beta_max: float = 1.0, min_t: float = 1.0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         if not beta_max > 0.0:
             raise ValueError(f"beta_max must be > 0, got {beta_max!r}")
-        self.decay, self.beta_max = float(decay), float(beta_max)
+        if not min_t >= 1.0:
+            raise ValueError(f"min_t must be >= 1, got {min_t!r}")
+        self.decay, self.beta_max, self.min_t = float(decay), float(beta_max), float(min_t)
+        self.t = 0.0                                       # the last fit's t-statistic (critic/advantages/cv_t)
         self.sums = torch.zeros(4, dtype=torch.float64)   # sum xy, sum xx, sum yy, clustered var of sum xy
         self.beta = 0.0                                    # the last beta used (critic/advantages/cv_beta)
         self.beta_fit = 0.0                                # its least-squares fit (critic/advantages/cv_beta_fit)
@@ -644,12 +648,15 @@ def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, 
     about half the batches of a critic that knows nothing (measured on pick_first: 0.3-1.0 on
     single batches while the critic's per-token credit was nil). A beta_hat above 1 is a critic
     whose within-group values point the right way at too small a size (measured on copy with
-    critic_target=group_relative: 1.5-5 from step ~60); beta_max > 1 lets the weight scale it up."""
+    critic_target=group_relative: 1.5-5 from step ~60); beta_max > 1 lets the weight scale it up.
+    The ``memory``'s ``min_t`` (1 without one) gates the weight: 0 until the fit's t-statistic
+    beta_hat / se reaches it (the shrinkage alone opens at 1)."""
     beta, se = critic_cv_fit(o, d, std, response_mask, group_index, dp_group, eps, memory)
-    beta_max = 1.0 if memory is None else memory.beta_max
-    out = 0.0 if beta <= 0.0 else min(beta_max, beta * max(0.0, 1.0 - (se / beta) ** 2))
+    beta_max, min_t = (1.0, 1.0) if memory is None else (memory.beta_max, memory.min_t)
+    t = beta / se if se > 0.0 else (float("inf") if beta > 0.0 else 0.0)
+    out = 0.0 if beta <= 0.0 or t < min_t else min(beta_max, beta * max(0.0, 1.0 - (se / beta) ** 2))
     if memory is not None:
-        memory.beta, memory.beta_fit = out, beta
+        memory.beta, memory.beta_fit, memory.t = out, beta, (t if math.isfinite(t) else 0.0)
         # sum (y - beta x)^2 = sum yy - 2 beta sum xy + beta^2 sum xx: the advantages' sum of squares
         # over the groups with varied scores, against GRPO's (beta 0)
         xy, xx, yy = (float(v) for v in memory._batch)

@@ -228,6 +228,7 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
          f"must be auto, batch, group, group_shift, group_centred or group_cv, got {al.gae_adv_norm!r}")
     need(0.0 <= al.gae_cv_decay < 1.0, "algorithm.gae_cv_decay", f"must be in [0, 1), got {al.gae_cv_decay!r}")
     need(al.gae_cv_beta_max > 0.0, "algorithm.gae_cv_beta_max", f"must be > 0, got {al.gae_cv_beta_max!r}")
+    need(al.gae_cv_min_t >= 1.0, "algorithm.gae_cv_min_t", f"must be >= 1, got {al.gae_cv_min_t!r}")
     if al.gae_adv_norm in ("group_shift", "group_centred", "group_cv"):
         need(al.lam_length_alpha is None, "algorithm.gae_adv_norm",
              f"{al.gae_adv_norm} takes one lambda (algorithm.lam): unset algorithm.lam_length_alpha")

@@ -60,7 +60,7 @@ def rollout_correction(batch: RolloutBatch, cfg, dp_group) -> tuple[Optional[tor
 
 def cv_memory(cfg) -> algo.CvMemory:
     """group_cv's running sums across steps, with the run's decay and top weight."""
-    return algo.CvMemory(cfg.algorithm.gae_cv_decay, cfg.algorithm.gae_cv_beta_max)
+    return algo.CvMemory(cfg.algorithm.gae_cv_decay, cfg.algorithm.gae_cv_beta_max, cfg.algorithm.gae_cv_min_t)
 
 
 def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memory=None) -> tuple[
@@ -87,6 +87,7 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memor
         if al.adv_estimator == "gae" and al.gae_adv_norm == "group_cv" and cv_memory is not None:
             metrics["critic/advantages/cv_beta"] = cv_memory.beta   # the weight these advantages used
             metrics["critic/advantages/cv_beta_fit"] = cv_memory.beta_fit   # before shrinkage and clamp
+            metrics["critic/advantages/cv_t"] = cv_memory.t           # the fit's t-statistic (the gate's)
             metrics["critic/advantages/cv_share"] = cv_memory.share   # the outcome's share the critic carries
             metrics["critic/advantages/cv_gain"] = cv_memory.gain     # GRPO's advantage variance it removes
         elif al.adv_estimator == "gae" and al.gae_adv_norm in ("group_centred", "group_cv"):
