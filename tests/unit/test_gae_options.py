@@ -696,29 +696,42 @@ def test_the_trainer_passes_the_critic_target_to_the_returns():
     torch.testing.assert_close(out["group_relative"][1], out["return"][1], rtol=0, atol=0)
 
 
-def test_the_trainer_builds_group_cvs_memory_from_the_config_and_logs_the_fit():
-    """phases.cv_memory takes gae_cv_decay and gae_cv_beta_max from the config; the step's metrics
-    carry the weight used (cv_beta) and the least-squares fit before its clamp (cv_beta_fit)."""
+def _trainer_cv_step(rewards, mask, values, index, overrides):
+    """(the CvMemory phases builds from the tiny_cpu config with ``overrides`` at n=4, the step's
+    metrics from phases.rewards_and_advantages on that batch)."""
     from types import SimpleNamespace
 
     from megappo.config import load_config
     from megappo.trainer import phases
 
+    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
+                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
+                            reward_components=None)
+    cfg = load_config(["actor_rollout_ref.rollout.n=4"] + overrides, ("tiny_cpu",))
+    memory = phases.cv_memory(cfg)
+    return memory, phases.rewards_and_advantages(batch, cfg, None, None, cv_memory=memory)[3]
+
+
+def _weak_critic_batch():
+    """_cv_batch(4, 0.5) as (rewards, values, mask, index): a critic whose fit is positive but weak."""
+    rewards, values, mask, index = _batch(seed=4, groups=6, n=4, T=7)
+    score = (rewards * mask).sum(-1)
+    return rewards, (values + 0.5 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask, mask, index
+
+
+def test_the_trainer_builds_group_cvs_memory_from_the_config_and_logs_the_fit():
+    """phases.cv_memory takes gae_cv_decay and gae_cv_beta_max from the config; the step's metrics
+    carry the weight used (cv_beta) and the least-squares fit before its clamp (cv_beta_fit)."""
     rewards, index = torch.zeros(20, 6, dtype=torch.float64), torch.arange(5).repeat_interleave(4)
     rewards[:, -1] = torch.rand(20, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
     mask = torch.ones(20, 6)
     values = torch.zeros(20, 6, dtype=torch.float64)
     values[:, 1:] = rewards[:, -1:] / 3          # a third of each outcome: the fit is 3
-    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
-                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
-                            reward_components=None)
     got = {}
     for top in (1.0, 4.0):
-        cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.gae_cv_decay=0.5",
-                           f"algorithm.gae_cv_beta_max={top}"], ("tiny_cpu",))
-        memory = phases.cv_memory(cfg)
+        memory, got[top] = _trainer_cv_step(rewards, mask, values, index,
+                                            ["algorithm.gae_cv_decay=0.5", f"algorithm.gae_cv_beta_max={top}"])
         assert (memory.decay, memory.beta_max) == (0.5, top)
-        got[top] = phases.rewards_and_advantages(batch, cfg, None, None, cv_memory=memory)[3]
     assert got[1.0]["critic/advantages/cv_beta"] == 1.0
     assert got[4.0]["critic/advantages/cv_beta"] == pytest.approx(3.0, rel=1e-9)
     assert got[1.0]["critic/advantages/cv_beta_fit"] == pytest.approx(3.0, rel=1e-9)
@@ -815,9 +828,7 @@ def test_group_cv_min_t_keeps_grpos_advantages_until_the_fit_is_significant():
     assert gated.t == pytest.approx(beta_hat / se, rel=1e-12) and open_.t == gated.t
     assert gated.beta_fit == pytest.approx(beta_hat, rel=1e-12) and gated.gain == 0.0
     # through the estimator: the gated advantages are GRPO's
-    rewards, values, mask, index = _batch(seed=4, groups=6, n=4, T=7)
-    score = (rewards * mask).sum(-1)
-    values = (values + 0.5 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
+    rewards, values, mask, index = _weak_critic_batch()
     kw = dict(token_level_rewards=rewards, response_mask=mask, group_index=index, gamma=1.0, lam=1.0,
               values=values, gae_adv_norm="group_cv")
     grpo, _ = algo.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, group_index=index)
@@ -838,24 +849,12 @@ def test_group_cv_min_t_keeps_grpos_advantages_until_the_fit_is_significant():
 
 
 def test_the_trainer_passes_gae_cv_min_t_and_logs_cv_t():
-    from types import SimpleNamespace
-
-    from megappo.config import load_config
-    from megappo.trainer import phases
-
-    rewards, values, mask, index = _batch(seed=4, groups=6, n=4, T=7)
-    score = (rewards * mask).sum(-1)
-    values = (values + 0.5 * score[:, None] * torch.linspace(0, 1, mask.shape[1])[None, :]) * mask
-    batch = SimpleNamespace(token_level_scores=rewards, response_mask=mask, values=values, prompt_index=index,
-                            old_log_prob=None, ref_log_prob=None, sum_pi_squared=None, rollout_is_weights=None,
-                            reward_components=None)
+    rewards, values, mask, index = _weak_critic_batch()
     got = {}
     for min_t in (1.0, 3.0):
-        cfg = load_config(["actor_rollout_ref.rollout.n=4", "algorithm.gae_cv_decay=0.0",
-                           f"algorithm.gae_cv_min_t={min_t}"], ("tiny_cpu",))
-        memory = phases.cv_memory(cfg)
+        memory, got[min_t] = _trainer_cv_step(rewards, mask, values, index,
+                                              ["algorithm.gae_cv_decay=0.0", f"algorithm.gae_cv_min_t={min_t}"])
         assert memory.min_t == min_t
-        got[min_t] = phases.rewards_and_advantages(batch, cfg, None, None, cv_memory=memory)[3]
     assert got[1.0]["critic/advantages/cv_t"] == got[3.0]["critic/advantages/cv_t"]
     assert 1.2 < got[3.0]["critic/advantages/cv_t"] < 2.5
     assert got[1.0]["critic/advantages/cv_beta"] > 0.0 == got[3.0]["critic/advantages/cv_beta"]
