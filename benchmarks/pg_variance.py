@@ -210,16 +210,16 @@ def measure(policy, critic, tok, queries, table, score_batch, args, step_beta, t
     probes = {}
     if args.probe:   # linear values on each trunk's features, fitted on batches the measurement does not use
         rng, gen = random.Random(args.seed + 10_000), torch.Generator().manual_seed(args.seed + 10_000)
-        data = {"actor": ([], [], []), "critic": ([], [], [])}
+        xs, ys, ms = {"actor": [], "critic": []}, [], []
         for _ in range(args.probe_batches):
             ids, plen, mask, rewards, group, response, prompts = sample_batch(
                 policy, tok, queries, table, score_batch, args.prompts, args.n, args.max_new, rng, gen)
             pos = response_positions(plen, mask.shape[1]).clamp(max=ids.shape[1] - 1)
             for name, model in (("actor", policy), ("critic", critic)):
-                data[name][0].append(probe_inputs(features(model, ids, pos)))
-                data[name][1].append(rewards.sum(1))
-                data[name][2].append(mask)
-        probes = {name: fit_probe(*d) for name, d in data.items()}
+                xs[name].append(probe_inputs(features(model, ids, pos)))
+            ys.append(rewards.sum(1))
+            ms.append(mask)
+        probes = {name: fit_probe(x, ys, ms) for name, x in xs.items()}
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     go, gd, gor, fits = [], [], [], []
     gp = {name: [] for name in probes}

@@ -487,6 +487,7 @@ def test_group_cv_beta_max_lets_the_fit_scale_up_an_under_scaled_critic():
     assert capped.beta_fit == pytest.approx(3.0, rel=1e-12)
     assert critic_cv_coefficient(o, -o / 3, std, m, groups, memory=free) == pytest.approx(3.0, rel=1e-12)
     assert (free.beta, free.beta_fit) == pytest.approx((3.0, 3.0), rel=1e-12)
+    assert free.t == 1e9          # an exact fit: its t is logged large and finite (cv_t), not as 0
     assert critic_cv_coefficient(o, -o / 5, std, m, groups, memory=free) == 4.0       # clamped at beta_max
     assert free.share == pytest.approx(0.2, rel=1e-12)     # the share the correction carries: 1/5
     # through the estimator: group_cv at lambda 1 on values that know a third of each outcome

@@ -15,7 +15,6 @@ single-process computation on the concatenated batch, however it is split over r
 from __future__ import annotations
 
 from dataclasses import dataclass
-import math
 from typing import Callable
 
 import torch
@@ -656,7 +655,8 @@ def critic_cv_coefficient(o, d, std, response_mask, group_index, dp_group=None, 
     t = beta / se if se > 0.0 else (float("inf") if beta > 0.0 else 0.0)
     out = 0.0 if beta <= 0.0 or t < min_t else min(beta_max, beta * max(0.0, 1.0 - (se / beta) ** 2))
     if memory is not None:
-        memory.beta, memory.beta_fit, memory.t = out, beta, (t if math.isfinite(t) else 0.0)
+        # an exact fit (se 0) logs a large finite t: JSON has no infinity, and 0 would read as no evidence
+        memory.beta, memory.beta_fit, memory.t = out, beta, min(t, 1e9)
         # sum (y - beta x)^2 = sum yy - 2 beta sum xy + beta^2 sum xx: the advantages' sum of squares
         # over the groups with varied scores, against GRPO's (beta 0)
         xy, xx, yy = (float(v) for v in memory._batch)
