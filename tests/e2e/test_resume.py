@@ -237,3 +237,36 @@ def test_truncated_or_corrupted_checkpoint_is_named_on_load(straight, tmp_path):
     (bad / "trainer_state.json").write_text('{"step": 2, "da')
     with pytest.raises(CheckpointError, match="trainer_state.json"):
         load_checkpoint(str(bad), {})
+
+
+@pytest.mark.e2e
+def test_critic_replay_trains_the_critic_only_and_resumes_exactly(straight, tmp_path):
+    """critic.replay_batches=2: the critic also trains on the last two batches' rows (the count is
+    logged), which changes nothing the actor reads before the critic's second update, and the
+    kept rows travel with the checkpoint (each rank's own): a run resumed at step 2 trains its
+    critic on the same rows at step 3 as the uninterrupted one."""
+    from harness import spawn
+
+    setup, ref = straight
+    run = tmp_path / "replay"
+    spawn(_run, 2, setup, str(run), 3, ["trainer.save_freq=2", "critic.replay_batches=2"])
+    rows, base = _rows(run), _rows(ref)
+    per_step = 8 * 2   # tiny_cpu: 8 prompts x 2 samples
+    assert [r["critic/replay_samples"] for r in rows[1:]] == [0, per_step, 2 * per_step]
+    assert all(r["critic/replay_samples"] == 0 for r in base[1:])
+    _compare(base[1:2], rows[1:2])   # step 1: nothing kept yet, the same run
+    # step 2: the actor's advantages read the critic after step 1 (the same); the critic's own
+    # update sees twice the rows
+    assert rows[2]["actor/pg_loss"] == base[2]["actor/pg_loss"]
+    assert rows[2]["critic/vf_loss"] != pytest.approx(base[2]["critic/vf_loss"], abs=1e-6)
+    assert rows[3]["critic/values/mean"] != pytest.approx(base[3]["critic/values/mean"], abs=1e-6)
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(run / "global_step_2", resumed / "global_step_2")
+    (resumed / "latest").write_text("2")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    spawn(_run, 2, setup, str(resumed), 3, ["trainer.save_freq=2", "trainer.resume_mode=auto",
+                                            "critic.replay_batches=2"])
+    _compare(rows[3:], _rows(resumed)[3:])
+    assert _rows(resumed)[3]["critic/replay_samples"] == 2 * per_step

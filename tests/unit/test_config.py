@@ -459,6 +459,7 @@ RULES = [
     ([A + "clip_ratio_low=-0.1"], {}, A + "clip_ratio_low", "must be >= 0, got -0.1"),
     ([A + "clip_ratio_high=-1"], {}, A + "clip_ratio_high", "must be >= 0, got -1.0"),
     (["critic.cliprange_value=0"], {}, "critic.cliprange_value", "must be > 0, got 0.0"),
+    (["critic.replay_batches=-1"], {}, "critic.replay_batches", "must be an integer >= 0, got -1"),
     ([A + "entropy_coeff=-0.01"], {}, A + "entropy_coeff", "must be >= 0, got -0.01"),
     ([A + "kl_loss_coef=-1"], {}, A + "kl_loss_coef", "must be >= 0, got -1.0"),
     (["algorithm.kl_ctrl.kl_coef=-1"], {}, "algorithm.kl_ctrl.kl_coef", "must be >= 0, got -1.0"),
@@ -766,6 +767,9 @@ def test_grpo_skips_critic_rules_and_warns_when_forced():
     warnings = []
     ok(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "critic.enable=true"], warnings=warnings)
     assert any("critic.enable=true" in w for w in warnings)
+    warnings = []
+    ok(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "critic.replay_batches=2"], warnings=warnings)
+    assert warnings == ["critic.replay_batches=2 is read only with a critic, and algorithm.adv_estimator=grpo builds none"]
 
 
 def test_rollout_correction_settings_pass_and_warn_where_verl_ignores_them():

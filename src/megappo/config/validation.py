@@ -213,6 +213,8 @@ def _ppo_and_kl(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         v = getattr(act, key)
         need(v is None or v >= 0, A + key, f"must be >= 0, got {v}")
     need(cr.cliprange_value > 0, "critic.cliprange_value", f"must be > 0, got {cr.cliprange_value}")
+    need(isinstance(cr.replay_batches, int) and cr.replay_batches >= 0, "critic.replay_batches",
+         f"must be an integer >= 0, got {cr.replay_batches!r}")
     for key in ("entropy_coeff", "kl_loss_coef"):
         need(getattr(act, key) >= 0, A + key, f"must be >= 0, got {getattr(act, key)}")
     need(al.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {al.kl_ctrl.kl_coef}")
@@ -319,6 +321,9 @@ def _estimator(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         elif cr.enable:
             W.append(f"critic.enable=true but algorithm.adv_estimator={al.adv_estimator} does not use values: "
                      "the critic is trained and ignored")
+        if cr.replay_batches and not (spec.needs_critic or cr.enable):
+            W.append(f"critic.replay_batches={cr.replay_batches} is read only with a critic, and "
+                     f"algorithm.adv_estimator={al.adv_estimator} builds none")
         if "sum_pi_squared" in spec.inputs:
             need(not al.rollout_correction.bypass_mode, "algorithm.rollout_correction.bypass_mode",
                  f"algorithm.adv_estimator={al.adv_estimator} needs sum pi^2 from the old-log-prob pass, which "

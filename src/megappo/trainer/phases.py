@@ -96,13 +96,19 @@ def rewards_and_advantages(batch: RolloutBatch, cfg, kl_ctrl, dp_group, cv_memor
     return rewards, advantages, returns, metrics
 
 
-def update_critic(critic, batch: RolloutBatch, cfg, batching, loss, dp: int, step: int, device) -> dict:
-    """PPO epochs of the critic; its losses and weights checked finite;
+def update_critic(critic, batch: RolloutBatch, cfg, batching, loss, dp: int, step: int, device,
+                  replay=None, pad_id: int = 0) -> dict:
+    """PPO epochs of the critic (on ``batch`` and the rows ``replay``, a
+    :class:`~megappo.trainer.replay.CriticReplay`, keeps); its losses and weights checked finite;
     then its offloadable state leaves the device (the critic is done for this step)."""
     per_rank = batching.critic_mini_batch * cfg.actor_rollout_ref.rollout.n // dp
-    metrics = critic.update_critic(batch, mini_batch_size=per_rank, ppo_epochs=cfg.critic.ppo_epochs, loss=loss,
+    rows = batch if replay is None else replay.training_batch(
+        batch, lambda b: critic.compute_values(b, **batching.values.kwargs()), pad_id)
+    metrics = critic.update_critic(rows, mini_batch_size=per_rank, ppo_epochs=cfg.critic.ppo_epochs, loss=loss,
                                    shuffle_seed=cfg.critic.data_loader_seed if cfg.critic.shuffle else None,
                                    **batching.critic.kwargs())
+    if replay is not None:
+        metrics["critic/replay_samples"] = float(len(rows) - len(batch)) * dp
     check_finite_metrics("update_critic", metrics, "critic/", step)
     check_finite(step, device, "update_critic", critic_weights=_any_nonfinite(critic))
     critic.offload()

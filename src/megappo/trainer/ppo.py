@@ -19,6 +19,7 @@ from megappo.rollout import SamplingConfig
 
 from . import phases, run_state
 from .generation import Generation
+from .replay import CriticReplay
 from .scoring import Scorer
 from .setup import set_library_log_level
 from .turns import MultiTurnRollout, tool_runner_of
@@ -80,6 +81,7 @@ class PPOTrainer:
         self.kl_ctrl = algo.make_kl_controller({"type": k.type, "kl_coef": k.kl_coef, "target_kl": k.target_kl,
                                                 "horizon": k.horizon})
         self.cv_memory = phases.cv_memory(cfg)   # group_cv's beta across steps
+        self.critic_replay = CriticReplay(cfg.critic.replay_batches)   # this rank's recent rows for the critic
         self.sampler = PromptSampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
                                      seed=d.seed, key="data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size")
         self.step_no = 0
@@ -149,7 +151,7 @@ class PPOTrainer:
             if self.critic is not None:
                 with t("update_critic"):
                     metrics.update(phases.update_critic(self.critic, local, cfg, self.batching, self.value_loss,
-                                                        self.dp, step, self.device))
+                                                        self.dp, step, self.device, self.critic_replay, self.pad_id))
             if self.step_no >= cfg.trainer.critic_warmup:
                 with t("update_actor"):
                     metrics.update(phases.update_actor(self.actor, local, cfg, self.batching, self.policy_loss,
@@ -198,12 +200,14 @@ class PPOTrainer:
 
     def save(self) -> str:
         return run_state.save(self.cfg, self.step_no, run_state.checkpointed_workers(self.actor, self.critic),
-                              self.sampler, self.algo_state(), self.world, self.layout, self.generation.inflight)
+                              self.sampler, self.algo_state(), self.world, self.layout, self.generation.inflight,
+                              self.critic_replay)
 
     def resume(self) -> Optional[str]:
         """Load the checkpoint ``trainer.resume_mode`` asks for; returns its path (None: fresh)."""
         r = run_state.resume(self.cfg, lambda: run_state.checkpointed_workers(self.actor, self.critic), self.sampler,
-                             self.algo_state(), self.logger, self.world, self.generation.one_step_off)
+                             self.algo_state(), self.logger, self.world, self.generation.one_step_off,
+                             self.critic_replay, self.layout)
         if r.path is not None:
             self.step_no, self.generation.inflight = r.step, r.inflight
             if self.rank == 0:

@@ -4,6 +4,7 @@ after which the run continues exactly as the uninterrupted one would have."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Optional
 
@@ -30,9 +31,11 @@ def checkpointed_workers(actor, critic) -> dict:
 
 # a checkpoint's write or load may hold the interpreter for minutes (pickling, hashing shards)
 @watchdog.in_phase("save_checkpoint", watchdog.SLOW)
-def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, layout, inflight) -> str:
+def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, layout, inflight,
+         replay=None) -> str:
     """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically.
-    ``algo_state``: name -> object with state_dict() (the KL controller, group_cv's running sums)."""
+    ``algo_state``: name -> object with state_dict() (the KL controller, group_cv's running sums);
+    ``replay``: this rank's :class:`~megappo.trainer.replay.CriticReplay` (saved per rank)."""
     from megappo.checkpoint import save_checkpoint
 
     tr = cfg.trainer
@@ -43,7 +46,9 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
     state = {"data": sampler.state_dict(), "world_size": world, "layout": dataclasses.asdict(layout),
              **{name: obj.state_dict() for name, obj in algo_state.items()}}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
-                           per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight)}, hf_sources=hf)
+                           per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight),
+                                           **({"critic_replay": replay.state_dict()} if replay is not None else {})},
+                           hf_sources=hf)
 
 
 def _plain_inflight(inflight) -> Optional[dict]:
@@ -77,9 +82,13 @@ def _inflight_from(plain: Optional[dict]):
 
 
 @watchdog.in_phase("load_checkpoint", watchdog.SLOW)
-def resume(cfg, workers_fn, sampler, algo_state: dict, logger, world: int, one_step_off: bool) -> Resumed:
+def resume(cfg, workers_fn, sampler, algo_state: dict, logger, world: int, one_step_off: bool,
+           replay=None, layout=None) -> Resumed:
     """Load the checkpoint ``trainer.resume_mode`` asks for (``workers_fn()``: the workers to
-    load into); a run that died before its first checkpoint starts over (its metric lines dropped)."""
+    load into); a run that died before its first checkpoint starts over (its metric lines dropped).
+    ``replay`` (the critic's) gets this rank's rows back where the run's ``layout`` is the saved
+    one (each DP rank holds its own rows, and every rank of a model replica must hold the same);
+    under another layout, or from a checkpoint without them, it starts empty."""
     from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint, read_rank_state
 
     tr = cfg.trainer
@@ -106,6 +115,9 @@ def resume(cfg, workers_fn, sampler, algo_state: dict, logger, world: int, one_s
     step = int(state["step"])
     if rank_state is not None and state.get("world_size") == world:
         rng.restore(rank_state)
+        same_layout = layout is not None and state.get("layout") == json.loads(json.dumps(dataclasses.asdict(layout)))
+        if replay is not None and same_layout and "critic_replay" in rank_state:
+            replay.load_state_dict(rank_state["critic_replay"])
     inflight = None
     if one_step_off:
         # the generation in flight at the save (the next step's batch) was stored with it:
