@@ -185,6 +185,10 @@ MEGAPPO["gae_cv_fit4"] = MEGAPPO["gae_cv"] + ["critic.ppo_epochs=4", "critic.opt
 # compute (critic.ppo_mini_batch_size 4 or 2 prompts: 8 or 16 critic steps per batch of 32 prompts)
 MEGAPPO["gae_cmb4"] = MEGAPPO["gae_cv_b95"] + ["critic.ppo_mini_batch_size=4"]
 MEGAPPO["gae_cmb2"] = MEGAPPO["gae_cv_b95"] + ["critic.ppo_mini_batch_size=2"]
+# the critic also trains on the rows of its last 3 (1) batches: 4x (2x) its optimizer steps, on
+# more data rather than the same batch again (critic.replay_batches)
+MEGAPPO["gae_replay3"] = MEGAPPO["gae"] + ["critic.replay_batches=3"]
+MEGAPPO["gae_replay1"] = MEGAPPO["gae"] + ["critic.replay_batches=1"]
 # LoRA (rank 8, alpha 16) on gae's settings: the actor's base frozen, adapters at 3x the full
 # fine-tuning lr (benchmarks/lora.py: on echo 3e-3 reached the target first of 1e-3 and 3e-3);
 # all-linear, or attention only (q, k, v, o)
@@ -193,7 +197,7 @@ _LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_al
 MEGAPPO["gae_lora"] = MEGAPPO["gae_batch"] + _LORA
 MEGAPPO["gae_lora_attn"] = MEGAPPO["gae_lora"] + ["actor_rollout_ref.model.target_modules=q_proj,k_proj,v_proj,o_proj"]
 MEGAPPO["grpo_lora"] = MEGAPPO["grpo"] + _LORA
-SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_cmb4": 256, "gae_cmb2": 256, "gae_inc": 256, "gae1": 32, "gae1_clip": 32, "gae1_trl": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
+SAMPLES_PER_STEP = {"gae_lora": 256, "gae_lora_attn": 256, "grpo_lora": 256, "gae": 256, "gae_batch": 256, "gae_group": 256, "gae_centred": 256, "gae_centred_fit": 256, "gae_cv": 256, "gae_cv_fit": 256, "gae_cv_b95": 256, "gae_cv_fit4": 256, "gae_cmb4": 256, "gae_cmb2": 256, "gae_inc": 256, "gae_replay3": 256, "gae_replay1": 256, "gae1": 32, "gae1_clip": 32, "gae1_trl": 32, "grpo": 256, "gspo": 256, "cispo": 256, "sapo": 256, "dapo": 256,
                     "grpo_is": 256}
 TRL_BATCH = 32
 # TRL's lr per task, tuned for TRL (see trl_ppo.py): 3e-4, and 1e-4 on echo; KL 0.01 in the reward.
