@@ -72,7 +72,9 @@ seeds of the samples to target (a seed that never reaches it counts as infinite)
 collapsed (entropy under half its start while the score stayed under twice its start and, for a
 run that starts competent, gained less than a quarter of the way to its best samples), the
 comparisons megappo gae <= grpo, gae1 <= trl and gae1_trl <= trl (medians, and seed by seed with a sign
-test: with updates as alike as these, a 3-seed median is often one seed's luck), and ends with one JSON line.
+test: with updates as alike as these, a 3-seed median is often one seed's luck; where neither reaches
+the target the scores at the budget decide, and the line says when their gap is under two standard
+errors of the 5-step windows' own noise), and ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -365,21 +367,44 @@ def summarise(curve: list[dict], target: float, budget: int) -> dict:
     watch = CollapseWatch()
     collapsed = any(watch.update({"actor/entropy": r.get("entropy"), "critic/score/mean": r["score"],
                                   "critic/score/max": r.get("score_max")}) for r in curve)
+    # the window's step-to-step spread: how far the 5-step mean moves with the draws alone
+    se = statistics.stdev(r["score"] for r in within) / math.sqrt(len(within)) if len(within) > 1 else None
     return {"samples_to_target": hit["samples"] if hit else None,
             "seconds_to_target": round(hit["seconds"], 1) if hit else None,
             "score_at_budget": round(sum(r["score"] for r in within) / len(within), 4) if within else None,
+            "score_at_budget_se": round(se, 4) if se is not None else None,
             "collapsed": collapsed}
 
 
 def compare(mine: list[dict], theirs: list[dict]) -> tuple[bool, str]:
     """Whether one method's seeds (summarise's dicts) need no more samples to the target than
     another's, medians over seeds (a seed that never reaches it counts as infinite); when neither
-    median reaches it, the median score at the budget decides (higher or equal is ok)."""
+    median reaches it, the median score at the budget decides (higher or equal is ok). The verdict
+    is the rule's; the line also says when the gap is under two standard errors of the difference
+    (each median's run's window spread, summarise's ``score_at_budget_se``), which at chance level
+    is the whole gap: the rule then reports the draws, not the methods."""
     a, b = (median_spread([r["samples_to_target"] for r in rs])[0] for rs in (mine, theirs))
     if a is None and b is None:
         sa, sb = (statistics.median(r["score_at_budget"] or 0.0 for r in rs) for rs in (mine, theirs))
-        return sa >= sb, f"and neither reaches the target; median score at the budget {sa:.3f} vs {sb:.3f} for"
+        line = f"and neither reaches the target; median score at the budget {sa:.3f} vs {sb:.3f}"
+        se = gap_se(mine, theirs)
+        if se is not None and abs(sa - sb) < 2 * se:
+            line += f" (a gap under 2 standard errors, {2 * se:.3f}: noise)"
+        return sa >= sb, line + " for"
     return a is not None and (b is None or a <= b), f"needs {a} samples (median), {b} for"
+
+
+def gap_se(mine: list[dict], theirs: list[dict]) -> float | None:
+    """The standard error of the difference of the two median scores at the budget, each taken
+    as the standard error of the run whose score is the median (the middle seed's; for an even
+    count the larger of the two middle runs'); None when a run has none."""
+    def median_run_se(rs):
+        order = sorted(rs, key=lambda r: r["score_at_budget"] or 0.0)
+        mid = order[(len(order) - 1) // 2:len(order) // 2 + 1]
+        ses = [r.get("score_at_budget_se") for r in mid]
+        return None if any(x is None for x in ses) else max(ses)
+    a, b = median_run_se(mine), median_run_se(theirs)
+    return None if a is None or b is None else math.sqrt(a * a + b * b)
 
 
 def paired(mine: list[dict], theirs: list[dict]) -> dict:
@@ -482,6 +507,7 @@ def main(argv=None) -> int:
         flat[f"{task}_{method}_samples_to_target_per_seed"] = [r["samples_to_target"] for r in rs]
         flat[f"{task}_{method}_collapsed_runs"] = n_coll
         flat[f"{task}_{method}_score_at_budget_per_seed"] = [r["score_at_budget"] for r in rs]
+        flat[f"{task}_{method}_score_at_budget_se_per_seed"] = [r["score_at_budget_se"] for r in rs]
     # megappo's PPO with a critic against its own GRPO (same settings) and TRL's PPO (TRL's settings)
     print()
     for task in (t for t in tasks if t != "lookup_notools"):   # that one reaches no target by construction

@@ -1,5 +1,7 @@
 """Benchmarks keep running and keep their output contract (figures are printed, never asserted)."""
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +60,8 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     figures = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(figures) == {"wall_s", "words_grpo_samples_to_target_median", "words_grpo_samples_to_target_per_seed",
-                            "words_grpo_collapsed_runs", "words_grpo_score_at_budget_per_seed"}
+                            "words_grpo_collapsed_runs", "words_grpo_score_at_budget_per_seed",
+                            "words_grpo_score_at_budget_se_per_seed"}
     assert figures["words_grpo_samples_to_target_per_seed"] == [None]   # 3 steps reach no target
     assert figures["words_grpo_collapsed_runs"] == 0
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("words/grpo/s0")]
@@ -66,6 +69,9 @@ def test_learning_benchmark_quick_ends_with_json(tmp_path):
     # all 3 steps lie within the budget: the score at budget is their mean (printed to 3 places)
     assert figures["words_grpo_score_at_budget_per_seed"][0] == pytest.approx(
         sum(float(r[2]) for r in rows) / 3, abs=1e-3)
+    # and its standard error is the 3 steps' spread / sqrt(3) (scores printed to 3 places)
+    sd = statistics.stdev(float(r[2]) for r in rows)
+    assert figures["words_grpo_score_at_budget_se_per_seed"][0] == pytest.approx(sd / math.sqrt(3), abs=2e-3)
 
 
 @pytest.mark.e2e

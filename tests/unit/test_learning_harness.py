@@ -149,6 +149,32 @@ def test_compare_medians_then_score_at_budget():
     assert learning.compare([r(None, 0.1)] * 3, [r(None, 0.11)] * 3)[0] is False
 
 
+def test_score_at_budget_has_its_standard_error_and_compare_names_a_gap_within_it():
+    """summarise: the standard error of the last 5 steps' mean (their sample standard deviation /
+    sqrt(5), computed here with numpy); compare: the verdict is the rule's either way, and the line
+    says "noise" only when the gap is under 2 standard errors of the difference of the median runs."""
+    import numpy as np
+
+    scores = [0.5] * 6 + [0.010, 0.022, 0.014, 0.019, 0.011]
+    r = learning.summarise(_curve(scores, [4.0] * 11), target=0.9, budget=10**9)
+    assert r["score_at_budget_se"] == round(float(np.std(scores[-5:], ddof=1) / np.sqrt(5)), 4) > 0
+    assert learning.summarise(_curve([0.1], [4.0]), 0.9, 10**9)["score_at_budget_se"] is None
+
+    run = lambda score, se: {"samples_to_target": None, "score_at_budget": score, "score_at_budget_se": se}
+    mine = [run(0.013, 0.002), run(0.014, 0.003), run(0.016, 0.009)]   # median run: 0.014, se 0.003
+    theirs = [run(0.012, 0.001), run(0.016, 0.004), run(0.016, 0.004)]  # median run: 0.016, se 0.004
+    assert learning.gap_se(mine, theirs) == pytest.approx(0.005)
+    ok, line = learning.compare(mine, theirs)
+    assert ok is False and "0.014 vs 0.016" in line and "noise" in line and "0.010" in line
+    far = [run(0.030, 0.003)] * 3
+    ok, line = learning.compare(far, theirs)
+    assert ok is True and "noise" not in line
+    ok, line = learning.compare([run(0.004, 0.003)] * 3, theirs)   # 0.012 below: a measured gap
+    assert ok is False and "noise" not in line
+    # runs without a standard error (older curves) keep the old line
+    assert "noise" not in learning.compare([run(0.014, None)] * 3, theirs)[1]
+
+
 def test_paired_counts_seeds_and_gives_the_sign_test():
     """Seed by seed: fewer samples wins, a miss loses to a hit, two misses go by the score at the
     budget; p is the two-sided sign test over the seeds that differ (binomial(n, 1/2))."""
