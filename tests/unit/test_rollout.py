@@ -154,6 +154,29 @@ def test_sync_then_generate_matches_transformers(engine, models):
     assert max(diffs) > 1e-2
 
 
+def test_token_ranks_are_counted_eagerly_on_cpu(engine, models):
+    """The CPU engine's sampler counts sampled tokens' ranks with megappo's eager function, not
+    vLLM's torch.compile'd one (inductor would compile it in every sampling process: seconds at
+    start-up); the counts are the compiled function's own source run eagerly, ties included."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs as vllm_logprobs
+
+    from megappo.rollout.engine import count_at_least
+
+    assert sampler.batched_count_greater_than is count_at_least
+    original = vllm_logprobs.batched_count_greater_than
+    source = getattr(original, "_torchdynamo_orig_callable", None) or getattr(original, "__wrapped__")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 4, (9, 50), generator=g).float()    # many ties
+    values = x[torch.arange(9), torch.randint(0, 50, (9,), generator=g)].unsqueeze(-1)
+    assert torch.equal(count_at_least(x, values), source(x, values))
+    assert torch.equal(count_at_least(x, values), torch.tensor([int((x[i] >= values[i]).sum()) for i in range(9)]))
+    # and generation with log-probs still matches transformers (the engine holds model a after the sync test)
+    _, a, _ = models
+    engine.sync_weights(iter(a.state_dict().items()))
+    check_matches(engine, a, [[5, 6, 7, 8]], n_tokens=4)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
