@@ -72,8 +72,11 @@ def step():
     # the actor's update: log-probs and entropy, forward and backward
     if kind == "naive":
         lp, h = log_probs_reference(logits, labels), algo.entropy_from_logits(logits)
-    elif kind == "parallel":   # megappo now: fused, 1024-token chunks
+    elif kind in ("parallel", "parallel_metric"):   # megappo now: fused, 1024-token chunks
         lp, h = log_probs_and_entropy(logits, labels)
+        if kind == "parallel_metric":   # entropy_coeff 0 (the default): the entropy is a metric only
+            g, = torch.autograd.grad((lp * grad_out).sum(), logits)
+            return lp, g
     else:                      # the reference form: two kernels, the whole micro-batch at once
         lp = log_probs_from_logits(logits, labels, chunk_tokens=None)
         h = entropy_from_vocab_parallel_logits(logits, chunk_tokens=None)
@@ -93,7 +96,7 @@ print(json.dumps({"t": ts[len(ts) // 2], "rss_kb": resource.getrusage(resource.R
 def bench_logprob(N, V):
     """Each variant in a fresh process: forward + backward, median time and peak RSS."""
     res = {}
-    for kind in ("parallel", "whole", "naive", "fwd_chunked", "fwd_whole"):
+    for kind in ("parallel", "parallel_metric", "whole", "naive", "fwd_chunked", "fwd_whole"):
         p = subprocess.run([sys.executable, "-c", _LOGPROB_CHILD, kind, str(N), str(V)], capture_output=True,
                            text=True, check=True)
         res[kind] = json.loads(p.stdout.strip().splitlines()[-1])
@@ -131,7 +134,8 @@ def main():
     print(f"first gae call in a fresh process: {g['first_call']:.4f} s")
     print(f"\nlog-prob + entropy fwd+bwd  N={N} tokens V={V} float32 (logits {logits_mb:.0f} MiB), fresh process each")
     print(f"{'variant':<34} {'time s':>8} {'peak RSS MiB':>13} {'above logits MiB':>17}")
-    for kind, label in (("parallel", "fused, 1024-token chunks"), ("whole", "two kernels, whole batch"),
+    for kind, label in (("parallel", "fused, 1024-token chunks"),
+                        ("parallel_metric", "fused, entropy a metric (coeff 0)"), ("whole", "two kernels, whole batch"),
                         ("naive", "naive log_softmax"), ("fwd_chunked", "forward only, 1024-token chunks"),
                         ("fwd_whole", "forward only, whole batch")):
         print(f"{label:<34} {lp[kind]['t']:>8.4f} {lp[kind]['rss_kb'] / 1024:>13.0f} {lp[kind]['extra_kb'] / 1024:>17.0f}")
@@ -147,6 +151,7 @@ def main():
         "gae_holes_speedup": round(g["holes"]["t_ref"] / g["holes"]["t_fast"], 1),
         "gae_holes_max_rel_diff": float(f"{g['holes']['rel']:.3g}"),
         "logprob_parallel_s": round(lp["parallel"]["t"], 4),
+        "logprob_parallel_entropy_metric_s": round(lp["parallel_metric"]["t"], 4),
         "logprob_naive_s": round(lp["naive"]["t"], 4),
         "logprob_parallel_peak_rss_mib": round(lp["parallel"]["rss_kb"] / 1024),
         "logprob_naive_peak_rss_mib": round(lp["naive"]["rss_kb"] / 1024),

@@ -145,20 +145,30 @@ def _hf_grad_worker(rank, world, dirs, out_file):
     batch.old_log_prob = actor.compute_log_prob(batch, 4)
     m = actor.update_policy(batch, mini_batch_size=B, micro_batch_size=2,
                             loss=algo.PolicyLossSpec(loss_agg_mode="token-mean"))
+    # the entropy bonus alone (advantages 0; lr 0: the same weights): its gradient flows when weighted
+    ent_batch = batch.select(list(range(len(batch))))
+    ent_batch.advantages = torch.zeros_like(batch.advantages)
+    m_ent = actor.update_policy(ent_batch, mini_batch_size=B, micro_batch_size=2,
+                                loss=algo.PolicyLossSpec(loss_agg_mode="token-mean", entropy_coeff=0.5))
     # at ratio 1 the clipped loss's gradient is -A grad(log p): token-mean over the batch's response tokens
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    total = torch.zeros(())
-    for i in range(len(batch)):
-        n = int(batch.response_mask[i].sum())
-        p = int(batch.prompt_lengths[i])
-        ids = batch.input_ids[i, :p + n][None]
-        logits = hf(ids).logits[0, p - 1:p + n - 1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, p:, None])[:, 0]
-        total = total - (batch.advantages[i, :n] * lp).sum()
-    (total / batch.response_mask.sum()).backward()
-    hf_norm = float(sum(q.grad.pow(2).sum() for q in hf.parameters() if q.grad is not None).sqrt())
+
+    def hf_grad_norm(entropy_coeff, batch):
+        hf.zero_grad()
+        total = torch.zeros(())
+        for i in range(len(batch)):
+            n = int(batch.response_mask[i].sum())
+            p = int(batch.prompt_lengths[i])
+            ids = batch.input_ids[i, :p + n][None]
+            logp = torch.log_softmax(hf(ids).logits[0, p - 1:p + n - 1].float(), -1)
+            lp = logp.gather(-1, ids[0, p:, None])[:, 0]
+            entropy = -(logp.exp() * logp).sum(-1)
+            total = total - (batch.advantages[i, :n] * lp).sum() - entropy_coeff * entropy.sum()
+        (total / batch.response_mask.sum()).backward()
+        return float(sum(q.grad.pow(2).sum() for q in hf.parameters() if q.grad is not None).sqrt())
     with open(out_file, "w") as f:
-        json.dump({"megappo": m["actor/grad_norm"], "hf": hf_norm}, f)
+        json.dump({"megappo": m["actor/grad_norm"], "hf": hf_grad_norm(0.0, batch),
+                   "megappo_entropy": m_ent["actor/grad_norm"], "hf_entropy": hf_grad_norm(0.5, ent_batch)}, f)
 
 
 def test_the_gradient_norm_is_the_losss_own(single):
@@ -168,6 +178,10 @@ def test_the_gradient_norm_is_the_losss_own(single):
     got = _result(single, "hfgrad")
     assert got["hf"] > 0.1
     assert got["megappo"] == pytest.approx(got["hf"], rel=1e-4)
+    # an entropy bonus's gradient is in it when weighted (at weight 0 the entropy is only a metric):
+    # with zero advantages it is the whole gradient
+    assert got["hf_entropy"] > 1e-4
+    assert got["megappo_entropy"] == pytest.approx(got["hf_entropy"], rel=1e-3)
 
 
 def _value_mode_worker(rank, world, dirs, out_file):

@@ -78,10 +78,25 @@ def test_fused_log_probs_and_entropy_equal_the_separate_kernels(chunk):
     h2 = entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk)
     gb, = torch.autograd.grad((lp2 * w1).sum() + (h2 * w2).sum(), b)
     assert torch.equal(lp, lp2) and torch.equal(h, h2) and torch.equal(ga, gb)
-    # only one of the two outputs used
-    gc, = torch.autograd.grad((log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)[1] * w2).sum(), a)
-    gd, = torch.autograd.grad((entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk) * w2).sum(), b)
-    torch.testing.assert_close(gc, gd, atol=1e-7, rtol=0)
+    # only one of the two outputs used: that one's gradient, bit for bit, and no pass for the other
+    import megappo.distributed.vocab_parallel as vp
+
+    calls = []
+    real = vp._entropy_grad
+    vp._entropy_grad = lambda *args: calls.append(1) or real(*args)
+    try:
+        gc, = torch.autograd.grad((log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)[1] * w2).sum(), a)
+        gd, = torch.autograd.grad((entropy_from_vocab_parallel_logits(b, vocab_size=47, chunk_tokens=chunk) * w2).sum(), b)
+        assert torch.equal(gc, gd)
+        calls.clear()
+        ge, = torch.autograd.grad((log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)[0] * w1).sum(), a)
+        gf, = torch.autograd.grad((log_probs_from_logits(b, y, vocab_size=47, chunk_tokens=chunk) * w1).sum(), b)
+        assert torch.equal(ge, gf) and not calls   # the entropy unused: its gradient terms never formed
+        lp, h = log_probs_and_entropy(a, y, vocab_size=47, chunk_tokens=chunk)
+        gg, = torch.autograd.grad((lp * w1).sum() - 0.0 * h.sum(), a)   # weighted 0: formed (zeros), added
+        assert calls and torch.equal(gg, gf)
+    finally:
+        vp._entropy_grad = real
 
 
 @pytest.mark.parametrize("vocab, padded", [(37, 37), (37, 40)])

@@ -174,10 +174,13 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """Both at once: one logsumexp pass, and ONE logits-sized gradient in backward (two separate
-    functions would each return a full gradient, and autograd would add them: 3x the logits)."""
+    functions would each return a full gradient, and autograd would add them: 3x the logits).
+    An output the loss does not use (the entropy at entropy_coeff 0: a metric only) gets no
+    gradient pass: its terms would be zeros, and they are most of the backward's work."""
 
     @staticmethod
     def forward(ctx, logits, labels, tp_group, vocab_size, chunk):
+        ctx.set_materialize_grads(False)   # an unused output's gradient arrives as None
         world, rank = _tp(tp_group)
         with torch.no_grad():
             lse = _combine_lse(_local_lse(logits, rank, vocab_size, chunk), tp_group, world)
@@ -195,16 +198,22 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_lp, grad_h):
         logits, lse, pz, safe, inside = ctx.saved_tensors
         vocab_size, rank, chunk = ctx.tp
+        if grad_lp is None and grad_h is None:
+            return None, None, None, None, None
         flat = _flat(logits)
         grad = torch.empty_like(flat)
-        g_lp = grad_lp.reshape(-1).to(lse.dtype) if grad_lp is not None else torch.zeros_like(lse)
-        g_h = grad_h.reshape(-1).to(lse.dtype) if grad_h is not None else torch.zeros_like(lse)
+        g_lp = grad_lp.reshape(-1).to(lse.dtype) if grad_lp is not None else None
+        g_h = grad_h.reshape(-1).to(lse.dtype) if grad_h is not None else None
         # the two gradients exactly as the separate functions form them, added once: the same
         # bits as autograd adding theirs (for float32 logits)
         for sl in _chunks(flat.shape[0], chunk):
             z, p = _probs(flat, sl, lse, rank, vocab_size)
-            ent = _entropy_grad(p, z, pz[sl], g_h[sl].unsqueeze(-1))   # before p is overwritten
-            grad[sl] = _log_prob_grad(p, g_lp[sl].unsqueeze(-1), safe[sl], inside[sl]).add_(ent).to(grad.dtype)
+            ent = None if g_h is None else _entropy_grad(p, z, pz[sl], g_h[sl].unsqueeze(-1))  # before p is overwritten
+            if g_lp is None:
+                grad[sl] = ent.to(grad.dtype)
+                continue
+            part = _log_prob_grad(p, g_lp[sl].unsqueeze(-1), safe[sl], inside[sl])
+            grad[sl] = (part if ent is None else part.add_(ent)).to(grad.dtype)
         return grad.view(logits.shape), None, None, None, None
 
 
