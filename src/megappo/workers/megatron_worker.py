@@ -345,10 +345,9 @@ class Actor(MegatronWorker):
                 pg, m = algo.compute_policy_loss(loss.loss_mode, mb.old_log_prob, lp, mb.advantages, pg_mask,
                                                  rollout_is_weights=mb.rollout_is_weights,
                                                  cov_selected=mb.cov_selected, **loss.loss_kwargs(), **norm)
-                # at entropy_coeff 0 the entropy is a metric: no gradient pass through it (the same
-                # gradient: its terms were zeros)
-                ent_loss = algo.agg_loss(ent if loss.entropy_coeff else ent.detach(), mb.loss_mask,
-                                         loss.loss_agg_mode, **norm)
+                ent_loss = algo.agg_loss(ent, mb.loss_mask, loss.loss_agg_mode, **norm)
+                # at entropy_coeff 0 the entropy is a metric: left out of the loss, it gets no
+                # gradient pass (its terms were zeros: the same gradient)
                 total = pg - loss.entropy_coeff * ent_loss if loss.entropy_coeff else pg
                 kl = torch.zeros((), device=lp.device)
                 if loss.use_kl_loss:
