@@ -88,6 +88,10 @@ def _worker(rank, world, path):
     engine = VLLMRollout(path, device="cpu", dtype="float32", tensor_parallel_size=2, max_model_len=256,
                          max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory_bytes=32 << 20)
     assert engine.moe_layers == 3  # each TP rank's engine holds (its slice of) every MoE layer
+    # the engine's vocabulary-shard mask (TP2) runs uncompiled on CPU: the checks against the actor
+    # and transformers below cover it
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    assert not hasattr(vpe.get_masked_input_and_mask, "_torchdynamo_orig_callable")
 
     # the trainer's choice of path: the shard-direct planner declines MoE, the full gather is used
     assert plan_for_engine(engine, chunks, info.desc, coords) is None

