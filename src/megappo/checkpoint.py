@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
            "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES",
-           "end_writer_process", "read_lora_file", "LORA_FILE"]
+           "end_writer_process", "in_process_write_results", "read_lora_file", "LORA_FILE"]
 
 # Resuming a checkpoint whose per-rank state holds pickled Python objects (what megappo wrote
 # before it saved plain tensors) needs this set to 1 once: such a file can run code on load.
@@ -128,14 +128,34 @@ def save_worker(worker, path: str) -> None:
     if _rank0():
         os.makedirs(path, exist_ok=True)
     _barrier()
+    in_process_write_results()
     dist_checkpointing.save(_sharded(worker, is_loading=False), path)
 
 
+def in_process_write_results() -> None:
+    """Give megatron's file writer a plain in-process queue for its write results, before a
+    synchronous ``dist_checkpointing.save``. Its own (made once per process) is a
+    ``multiprocessing`` Manager's queue, so that an asynchronous save's writer process can reach
+    it: a spawned server process that imports torch to unpickle the first results (~2 s of a
+    process's first save, measured on 2 CPU cores, 2026-12-07) and then holds ~0.5 GB for the
+    process's life. A synchronous save runs the writer in the saving process itself
+    (``AsyncRequest.execute_sync``), which puts the results and reads them back: a plain queue
+    does. megappo's saves are all synchronous; an asynchronous save after this would need
+    megatron's queue back (set ``_results_queue`` to None)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "_results_queue", False) is None:
+        fa._results_queue = queue.Queue()
+
+
 def end_writer_process() -> bool:
-    """End the process megatron's file writer keeps for the rest of the process's life: its first
-    save starts a ``multiprocessing`` Manager (a spawned server, ~0.5 GB) for its results queue.
-    At exit multiprocessing ends it anyway; a long-lived caller (a test run, a notebook) that
-    saved a checkpoint calls this instead of carrying it. Returns whether one was running."""
+    """End the process megatron's file writer keeps for the rest of the process's life where it
+    started one (an asynchronous save outside megappo's, or one made before
+    :func:`in_process_write_results`): a ``multiprocessing`` Manager (a spawned server, ~0.5 GB)
+    for its results queue. At exit multiprocessing ends it anyway; a long-lived caller (a test
+    run, a notebook) calls this instead of carrying it. Returns whether one was running."""
     import sys
 
     fa = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")

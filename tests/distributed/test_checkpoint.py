@@ -46,6 +46,12 @@ def _resume_worker(rank, world, path, root, out_file):
     head = _updates(first, batch, 2)
     save_checkpoint(root, 2, {"actor": first}, {"data": {"epoch": 0}})
     assert latest_step(root) == 2
+    # the save's write results came back through a plain in-process queue, not through the
+    # Manager process megatron would start (and keep) in every saving rank
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    assert type(fa._results_queue) is queue.Queue
     resumed = _actor(path, 1, 1)
     state = load_checkpoint(os.path.join(root, "global_step_2"), {"actor": resumed})
     tail = _updates(resumed, batch, 2)

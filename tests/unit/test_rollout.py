@@ -285,6 +285,41 @@ def test_sampling_config_from_config():
     assert (v.n, v.temperature, v.do_sample) == (1, 0.0, False)
 
 
+def test_engine_start_finds_the_trainers_heap_frozen(models):
+    """vLLM runs full garbage collections while its engine starts; in a trainer process each one
+    walked the whole heap of torch, megatron-core and transformers objects (1.3 s of a 2.2 s
+    start). The engine collects once and freezes the heap before vLLM's start: every full
+    collection during the start sees it frozen, and the heap is frozen afterwards, as vLLM leaves it."""
+    import gc
+
+    from megappo.rollout import VLLMRollout
+
+    root, _, _ = models
+    gc.unfreeze()   # another engine of this process (the module's fixture) froze it at its start
+    before = len(gc.get_objects())
+    seen = []
+
+    def record(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            seen.append(gc.get_freeze_count())
+
+    gc.callbacks.append(record)
+    try:
+        eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=256,
+                          kv_cache_memory_bytes=32 << 20)
+    finally:
+        gc.callbacks.remove(record)
+    try:
+        # the last three are vLLM's: two while it loads the model, one as it freezes the heap
+        # (before them: ours, and any the interpreter ran on its own)
+        assert len(seen) >= 4, seen
+        # (our collection may free some of the objects counted before: "most of the heap")
+        assert all(n > before // 2 for n in seen[-3:]), (before, seen)
+        assert gc.get_freeze_count() > before // 2
+    finally:
+        eng.shutdown()
+
+
 def test_tied_embeddings_sync(tmp_path):
     """HF checkpoints of tied models carry no lm_head; vLLM's reload still needs one."""
     from megappo.rollout import VLLMRollout

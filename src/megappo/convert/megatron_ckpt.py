@@ -309,6 +309,7 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
     from tqdm import tqdm
 
     from megappo import megatron_cpu
+    from megappo.checkpoint import in_process_write_results
     from megappo.layout import RankCoords
     from megappo.models import build_model, initialize_parallel, transformer_config
 
@@ -333,6 +334,7 @@ def save_from_hf(hf_dir: str, out: str, info, dtype: torch.dtype = torch.float32
                 raise ConvertError(_one_line(e)) from e
             bar.update()
             bar.set_description("save checkpoint")
+            in_process_write_results()   # no results server process for one synchronous save
             dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out)
             bar.update()
         finally:
