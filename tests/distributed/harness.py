@@ -20,8 +20,10 @@ def free_port() -> int:
 # world saves their import (~15 s of CPU per rank under load: megatron.core ~8 s, vllm ~6 s).
 PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
            "megatron.core.pipeline_parallel", "megatron.core.optimizer", "vllm", "vllm.entrypoints.llm",
-           # what a CPU engine's start imports (0.45 s of each engine's start) ...
-           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader",
+           # what a CPU engine's start imports (0.45 s of each engine's start; not its CPU worker,
+           # whose import swaps torch.cuda's streams for placeholders: a trainer installs megappo's
+           # shim first, tests/distributed/test_megatron_cpu.py checks that order) ...
+           "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader",
            "vllm.model_executor.models.qwen3", "vllm.lora.worker_manager",
            "vllm.model_executor.layers.quantization.online.base", "vllm.entrypoints.launchers.cli_args",
            # ... and a trainer's (~1 s of CPU a rank: its data, its model's layer spec and rope)
