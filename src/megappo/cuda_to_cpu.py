@@ -37,6 +37,8 @@ class CudaToCpu(TorchFunctionMode):
             return args[0]
         if "device" in kwargs:
             kwargs["device"] = cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):   # megatron pins host staging tensors (CP's RoPE slice); no allocator off CUDA
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], cpu_device(args[1])) + tuple(args[2:])
         return func(*args, **kwargs)

@@ -29,11 +29,11 @@ def _multi_turn_batch():
     return b
 
 
-def _worker(rank, world, tp, pp, path, out_file):
-    setup(tp, pp)
+def _worker(rank, world, tp, pp, path, out_file, cp=1):
+    setup(tp, pp, cp=cp)
     from megappo.workers import RewardModel
 
-    info, cfg, chunks = build(path, tp, pp, value_head=True)
+    info, cfg, chunks = build(path, tp, pp, value_head=True, cp=cp)
     rm = RewardModel(chunks, cfg)
     scores = rm.compute_scores(_global_batch(), micro_batch_size=4)
     turns = rm.compute_scores(_multi_turn_batch(), micro_batch_size=4)
@@ -41,8 +41,8 @@ def _worker(rank, world, tp, pp, path, out_file):
         torch.save((scores, turns), out_file)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
-def test_reward_model_scores_equal_transformers(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp, cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["TP2", "PP2", "CP2"])
+def test_reward_model_scores_equal_transformers(tmp_path, tp, pp, cp):
     from transformers import AutoModelForTokenClassification
 
     torch.manual_seed(4)
@@ -54,7 +54,7 @@ def test_reward_model_scores_equal_transformers(tmp_path, tp, pp):
     hf.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
 
     out = str(tmp_path / "s.pt")
-    spawn(_worker, tp * pp, tp, pp, str(tmp_path / "rm"), out)
+    spawn(_worker, tp * pp * cp, tp, pp, str(tmp_path / "rm"), out, cp)
     got, got_turns = torch.load(out)
 
     batch = _global_batch()

@@ -28,19 +28,19 @@ def _rows_for(rank_dp, dp):
     return [j * M + rank_dp * per + k for j in range(B // M) for k in range(per)]
 
 
-def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None):
-    setup(tp, pp)
+def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1):
+    setup(tp, pp, cp=cp)
     from megatron.core import parallel_state as ps
 
     from megappo.workers import Actor, Critic
 
     path = os.path.join(dirs, "qwen3")
-    info, cfg, chunks = build(path, tp, pp)
+    info, cfg, chunks = build(path, tp, pp, cp=cp)
     # SGD: Adam turns round-off-level gradient differences into full-size steps, which would
     # compare the layouts' summation orders rather than their gradients.
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.5, clip_grad=1.0, optimizer="sgd",
                   use_distributed_optimizer=False)
-    cinfo, ccfg, cchunks = build(path, tp, pp, value_head=True)
+    cinfo, ccfg, cchunks = build(path, tp, pp, value_head=True, cp=cp)
     critic = Critic(cchunks, ccfg, lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch = _global_batch().select(_rows_for(dp_rank, dp))
@@ -89,15 +89,18 @@ def reference(single):
     return _result(single, "reference")
 
 
-@pytest.mark.parametrize("world, tp, pp, micro, max_tokens", [
-    (4, 2, 2, 1, None), (2, 1, 1, 1, None), (2, 2, 1, 2, None), (2, 1, 2, 2, None), (2, 1, 1, None, 40),
-], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget"])
-def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens):
+@pytest.mark.parametrize("world, tp, pp, micro, max_tokens, cp", [
+    (4, 2, 2, 1, None, 1), (2, 1, 1, 1, None, 1), (2, 2, 1, 2, None, 1), (2, 1, 2, 2, None, 1), (2, 1, 1, None, 40, 1),
+    (2, 1, 1, 2, None, 2), (4, 2, 1, 1, None, 2), (4, 1, 2, 2, None, 2),
+], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2CP2"])
+def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp):
     out = str(tmp_path / "r.json")
-    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens)
+    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens, cp)
     with open(out) as f:
         got = json.load(f)
     assert len(got["pg"]) == len(reference["pg"]) == 4          # 2 mini-batches x 2 epochs
+    # the forward alone: the log-probs before the update (rank 0's rows)
+    assert (torch.tensor(got["old"]) - torch.tensor(reference["old"])[got["rows"]]).abs().max().item() < 1e-5
     for key in ("pg", "vf"):
         for a, b in zip(got[key], reference[key]):
             assert abs(a - b) < 1e-5, f"{key}: {got[key]} vs {reference[key]}"

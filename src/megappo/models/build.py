@@ -12,18 +12,19 @@ __all__ = ["initialize_parallel", "build_model"]
 
 
 def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int = 42, ep: Optional[int] = None,
-                        etp: int = 1) -> None:
-    """megatron's parallel state for TP x PP (x VPP); DP is what remains of the world. ``ep``
+                        etp: int = 1, cp: int = 1) -> None:
+    """megatron's parallel state for TP x CP x PP (x VPP); DP is what remains of the world. ``ep``
     (Mixture-of-Experts models only): experts over that many ranks; ``etp`` (expert-TP) must be 1:
-    each expert stays whole on its EP rank. Seeds the model-parallel RNGs. torch.distributed must
-    already be initialised."""
+    each expert stays whole on its EP rank. ``cp``: context parallelism (each sequence split over
+    that many ranks, megappo.models.context_parallel). Seeds the model-parallel RNGs.
+    torch.distributed must already be initialised."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}")
     if etp != 1:
         raise ValueError(f"expert_tensor_parallel_size must be 1 (experts stay whole on their EP rank), got {etp}")
     if ep and (world // pp) % ep:
@@ -32,7 +33,7 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int] = None, seed: int =
         ps.destroy_model_parallel()
     expert = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, **expert)
+                                 virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, **expert)
     model_parallel_cuda_manual_seed(seed)
 
 

@@ -177,11 +177,12 @@ class MoEOptions:
 def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                        cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None, ep: int = 1,
-                       etp: int = 1, moe: MoEOptions = MoEOptions()):
+                       etp: int = 1, moe: MoEOptions = MoEOptions(), cp: int = 1):
     """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
     parameters are initialised (``use_cpu_initialization``). ``recompute``: (granularity,
     method, num_layers) of megatron's activation recomputation; selective takes no method or
-    layer count. ``ep``, ``moe``: expert parallelism and router settings (MoE models only)."""
+    layer count. ``ep``, ``moe``: expert parallelism and router settings (MoE models only); ``cp``: context
+    parallelism."""
     from megatron.core.transformer import TransformerConfig
 
     d = info.desc
@@ -214,7 +215,7 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
         normalization="RMSNorm", layernorm_epsilon=info.rms_norm_eps, qk_layernorm=d.qk_layernorm,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=d.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=bool(sequence_parallel and tp > 1),
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, use_cpu_initialization=cpu,

@@ -100,18 +100,24 @@ class SdpaCoreAttention(torch.nn.Module):
     the reference it is tested against."""
 
     def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None, softmax_scale=None,
-                 **_):
+                 cp_comm_type=None, pg_collection=None, **_):
         super().__init__()
         self.scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.attn_mask_type = attn_mask_type
+        self.cp = config.context_parallel_size
+        self.cp_group = None
+        if self.cp > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
 
     @staticmethod
     def supports(config) -> bool:
         """False where DotProductAttention does more than causal softmax attention: sliding
-        windows, attention sinks, query-key layer scaling, attention dropout, context parallelism."""
+        windows, attention sinks, query-key layer scaling, attention dropout. (Context
+        parallelism, which DotProductAttention refuses, is this module's own: see forward.)"""
         return (config.window_size is None and getattr(config, "softmax_type", "vanilla") == "vanilla"
-                and not config.apply_query_key_layer_scaling and not config.attention_dropout
-                and config.context_parallel_size == 1)
+                and not config.apply_query_key_layer_scaling and not config.attention_dropout)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -123,9 +129,22 @@ class SdpaCoreAttention(torch.nn.Module):
                              "megatron's DotProductAttention or TransformerEngine's (megappo passes none)")
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"SdpaCoreAttention: attention mask type {mask_type} without a mask tensor")
+        causal, mask = mask_type == AttnMaskType.causal, None
+        if self.cp > 1:
+            # Context parallelism (megappo.models.context_parallel's layout): this rank's
+            # queries are two chunks of the sequence; they attend to every rank's keys and values,
+            # gathered (the all-gather form of CP: its memory is the sequence's K/V, which GQA keeps
+            # small), under the causal mask of their positions in the whole sequence.
+            from .context_parallel import gather_kv, local_positions
+
+            key, value = gather_kv(key, self.cp_group), gather_kv(value, self.cp_group)
+            if causal:
+                qpos = local_positions(key.shape[0], self.cp, self.cp_group.rank(), device=query.device)
+                mask = torch.arange(key.shape[0], device=query.device)[None, :] <= qpos[:, None]
+                causal = False
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))   # [b, heads, s, d]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=mask_type == AttnMaskType.causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 

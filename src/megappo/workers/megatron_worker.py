@@ -21,6 +21,7 @@ from megappo import algo, seeds
 from megappo.batch import RolloutBatch
 from megappo.distributed import (log_probs_and_entropy, log_probs_from_logits, module_device,
                                  sum_pi_squared_from_vocab_parallel_logits)
+from megappo.models import CPSequence, local_positions
 
 from .batching import fit_to_multiple, micro_batch_groups
 from .moe_stats import RouterStats
@@ -66,6 +67,10 @@ class MegatronWorker:
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
+        # Context parallelism: the CP ranks of a DP rank share its rows, each holding part of
+        # every sequence (megappo.models.context_parallel); DDP reduces over DP x CP.
+        self.cp = ps.get_context_parallel_world_size()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.is_last = ps.is_pipeline_last_stage()
         self.last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         self.optimizer = None
@@ -116,8 +121,11 @@ class MegatronWorker:
     def _run(self, micro_batches: list[RolloutBatch], loss_fn, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        pad = self.tp if self.config.sequence_parallel else 1
+        pad = (self.tp if self.config.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
         if self.pack_sequences:
+            if self.cp > 1:
+                raise ValueError("sequence packing with context parallelism needs TransformerEngine's packed "
+                                 "attention per CP rank, which megappo does not drive yet")
             seqs = self._pack(micro_batches, pad)
         else:
             seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
@@ -127,6 +135,10 @@ class MegatronWorker:
             mb, ids = self._to_device(*next(data_iterator))
             if isinstance(ids, Packed):
                 out = model(ids.ids, ids.position_ids, attention_mask=None, packed_seq_params=ids.params())
+            elif self.cp > 1:
+                held = local_positions(ids.shape[1], self.cp, self.cp_group.rank(), device=ids.device)
+                ids = CPSequence(ids, self.cp_group, held, self.pad_token_id)
+                out = model(ids.local_ids, held[None].expand(ids.ids.shape[0], -1), attention_mask=None)
             else:
                 pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
                 out = model(ids, pos, attention_mask=None)
@@ -156,6 +168,8 @@ class MegatronWorker:
         the padded (B, S-1) layout."""
         if isinstance(ids, Packed):
             return output, ids.next_ids, lambda x: ids.rows(x, ids.width - 1)
+        if isinstance(ids, CPSequence):   # this rank's positions; rows() gathers the whole sequence
+            return output, ids.next_ids(), lambda x: ids.gather(x)[:, :-1]
         return output[:, :-1], ids[:, 1:], lambda x: x
 
     def _to_device(self, mb: RolloutBatch, ids: torch.Tensor) -> tuple[RolloutBatch, torch.Tensor]:
@@ -250,7 +264,10 @@ class MegatronWorker:
                 norm = dict(global_tokens=algo.global_count(mask, self.dp_group),
                             global_seqs=algo.global_seq_count(mask, self.dp_group))
                 micros = self._micro(mini, micro_batch_size, max_token_len)[0]
-                scale = len(micros) * self.dp  # cancels megatron's 1/num_microbatches and DP averaging
+                # cancels megatron's 1/num_microbatches and its DDP's averaging over DP (and over CP,
+                # which megatron's schedule cancels itself: the CP ranks' gradients are parts of one
+                # gradient, each from the rank's own positions)
+                scale = len(micros) * self.dp
                 loss_fn = make_loss(norm)
                 self._zero_grad()
                 outs = self._run(micros, lambda mb, ids, output: _scaled(loss_fn(mb, ids, output), scale),
@@ -492,6 +509,8 @@ class RewardModel(Critic):
             per_position = output[..., 0].float()
             if isinstance(ids, Packed):
                 per_position = ids.rows(per_position)
+            elif isinstance(ids, CPSequence):
+                per_position = ids.gather(per_position)
             last = (mb.prompt_lengths.to(end.device) + end).clamp(min=0, max=per_position.shape[1] - 1)
             score = per_position.gather(1, last.to(per_position.device)[:, None])
             tls = torch.zeros(mask.shape, dtype=torch.float32, device=score.device)

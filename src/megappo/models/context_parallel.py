@@ -1,0 +1,114 @@
+"""Context parallelism (CP): the ranks of a CP group each hold a part of every sequence.
+
+The layout is megatron's load-balanced one: a sequence of S tokens (S a multiple of 2 x CP) is cut
+into 2 x CP chunks and CP rank r holds chunks r and 2 x CP - 1 - r, so that every rank gets the
+same share of causal attention's work (an early chunk attends to little, a late one to much).
+megatron's RoPE cuts its table in this layout (``rope_utils.get_pos_emb_on_this_cp_rank``); the
+workers cut the tokens the same way (:func:`local_positions`).
+
+Two gathers along the sequence, each an autograd function over the CP group:
+
+- :func:`gather_kv` (attention): every rank's queries attend to the whole sequence's keys and
+  values, so the forward all-gathers them and the backward sums each chunk's gradient from
+  every rank's queries back onto the rank that holds it (reduce-scatter).
+- :func:`gather_positions` (per-token outputs: log-probs, entropies, values): every CP rank then
+  computes the same loss over the whole sequence, so the gradient that reaches a rank's own
+  positions is already the loss's; the backward keeps that slice and sends nothing. The
+  data-parallel gradient reduction (megatron's DDP, over DP x CP) adds the ranks' parts.
+
+Process groups are arguments; nothing here reads megatron's parallel state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["local_positions", "gather_kv", "gather_positions", "CPSequence"]
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """(2 x seq_len / (2 x cp),) the positions CP rank ``rank`` holds, ascending."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallelism: a sequence of {seq_len} tokens is not a multiple of 2 x "
+                         f"context_parallel_size = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def _natural_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """Index into the ranks' concatenated local positions that puts them in sequence order."""
+    held = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+    return torch.argsort(held).to(device)
+
+
+class _GatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):   # x [s_local, ...] in the rank's layout -> [S, ...] in sequence order
+        ctx.group = group
+        cp, s_local = dist.get_world_size(group), x.shape[0]
+        out = torch.empty((cp * s_local, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        ctx.order = _natural_order(cp * s_local, cp, x.device)
+        return out.index_select(0, ctx.order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = dist.get_world_size(ctx.group)
+        held = torch.empty_like(grad)
+        held[ctx.order] = grad   # back to the ranks' concatenated layout
+        out = torch.empty((grad.shape[0] // cp, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, held.contiguous(), group=ctx.group)
+        return out, None
+
+
+def gather_kv(x: torch.Tensor, group) -> torch.Tensor:
+    """[s_local, ...] (sequence first, this rank's chunks) -> [S, ...] in sequence order, every
+    rank's chunks; gradients flow back to the rank that holds each chunk, summed over ranks."""
+    return _GatherKV.apply(x, group)
+
+
+class _GatherPositions(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, positions):   # x [B, s_local, ...] -> [B, S, ...] in sequence order
+        ctx.positions = positions
+        cp = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        S = cp * x.shape[1]
+        return torch.cat(parts, dim=1).index_select(1, _natural_order(S, cp, x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(1, ctx.positions), None, None
+
+
+def gather_positions(x: torch.Tensor, group, positions: torch.Tensor) -> torch.Tensor:
+    """[B, s_local, ...] per-position values at this rank's ``positions`` -> [B, S, ...] for the
+    whole sequence, on every CP rank. For a loss every CP rank computes alike from the result:
+    the backward keeps this rank's positions of the (identical) gradient."""
+    return _GatherPositions.apply(x, group, positions)
+
+
+class CPSequence:
+    """A micro-batch's token ids under context parallelism: ``ids`` (B, S) whole, the model saw
+    ``ids[:, positions]``. What a loss function receives in place of the ids tensor."""
+
+    def __init__(self, ids: torch.Tensor, group, positions: torch.Tensor, pad_token_id: int):
+        self.ids, self.group, self.positions = ids, group, positions
+        self.pad_token_id = pad_token_id
+
+    @property
+    def local_ids(self) -> torch.Tensor:
+        return self.ids.index_select(1, self.positions)
+
+    def next_ids(self) -> torch.Tensor:
+        """(B, s_local) the token after each held position (a pad id after the last one, whose
+        prediction nothing reads)."""
+        nxt = torch.nn.functional.pad(self.ids[:, 1:], (0, 1), value=self.pad_token_id)
+        return nxt.index_select(1, self.positions)
+
+    def gather(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(B, s_local, ...) at the held positions -> (B, S, ...), see :func:`gather_positions`."""
+        return gather_positions(per_position, self.group, self.positions)
