@@ -7,7 +7,8 @@
 #   TRAIN_BATCH_SIZE PPO_MINI_BATCH_SIZE MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
 #   PPO_MAX_TOKEN_LEN_PER_GPU (actor, critic, reference, old-log-prob and vLLM token budgets)
 #   ACTOR_LR CRITIC_LR ROLLOUT_TP ROLLOUT_N ADV_ESTIMATOR TOTAL_EPOCHS SAVE_FREQ TEST_FREQ
-#   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP ACTOR_EP (Mixture-of-Experts: expert parallelism, all roles)   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
+#   ACTOR_TP ACTOR_PP CRITIC_TP CRITIC_PP ACTOR_EP (Mixture-of-Experts: expert parallelism, all roles)
+#   ACTOR_CP (context parallelism, all roles: each sequence split over that many ranks)   NNODES NGPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT
 #   RDZV_ENDPOINT (host:port, replaces MASTER_ADDR/PORT)  LAUNCHER (torchrun | ray | slurm)
 #   ROLLOUT_GPUS (split placement: that many GPUs of every node run vLLM, the rest train; with
 #   ROLLOUT_NNODES=m the rollout gets m nodes of its own instead)  ASYNC_MODE (sync | one_step_off)
@@ -21,7 +22,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$MEGAPPO_ROOT/.venv/bin/python" ]]; then PYTHON="$MEGAPPO_ROOT/.venv/bin/python"; else PYTHON=python; fi
 fi
 : "${NNODES:=1}" "${NGPUS_PER_NODE:=8}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
-: "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}" "${ACTOR_EP:=1}"
+: "${LAUNCHER:=torchrun}" "${DRY_RUN:=0}" "${ROLLOUT_N:=1}" "${ADV_ESTIMATOR:=gae}" "${ACTOR_EP:=1}" "${ACTOR_CP:=1}"
 : "${ROLLOUT_GPUS:=0}" "${ROLLOUT_NNODES:=0}" "${ASYNC_MODE:=sync}"
 # The split placement (ROLLOUT_GPUS / ROLLOUT_NNODES): one launcher starts every rank; the config
 # says which train (trainer.*) and which roll out (rollout.*). Colocated: all ranks do both.
@@ -53,8 +54,14 @@ megappo_check_layout() {
     rollout_per_node=$ROLLOUT_GPUS
     what="the training ranks $TRAIN_NNODES node(s) x $TRAIN_GPUS_PER_NODE = $world (NGPUS_PER_NODE=$NGPUS_PER_NODE, ROLLOUT_GPUS=$ROLLOUT_GPUS)"
   fi
-  (( world % (ACTOR_TP * ACTOR_PP) == 0 )) || megappo_fail \
-    "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide $what"
+  (( ACTOR_CP >= 1 )) || megappo_fail "ACTOR_CP=$ACTOR_CP must be >= 1"
+  if (( ACTOR_CP == 1 )); then
+    (( world % (ACTOR_TP * ACTOR_PP) == 0 )) || megappo_fail \
+      "ACTOR_TP=$ACTOR_TP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_PP)) does not divide $what"
+  else
+    (( world % (ACTOR_TP * ACTOR_CP * ACTOR_PP) == 0 )) || megappo_fail \
+      "ACTOR_TP=$ACTOR_TP x ACTOR_CP=$ACTOR_CP x ACTOR_PP=$ACTOR_PP = $((ACTOR_TP * ACTOR_CP * ACTOR_PP)) does not divide $what"
+  fi
   (( CRITIC_TP == ACTOR_TP && CRITIC_PP == ACTOR_PP )) || megappo_fail \
     "CRITIC_TP=$CRITIC_TP/CRITIC_PP=$CRITIC_PP must equal ACTOR_TP=$ACTOR_TP/ACTOR_PP=$ACTOR_PP (one megatron parallel state per process)"
   (( ACTOR_EP >= 1 && (world / ACTOR_PP) % ACTOR_EP == 0 )) || megappo_fail \
@@ -85,6 +92,7 @@ megappo_args() {
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$ACTOR_TP"
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$ACTOR_PP"
     actor_rollout_ref.actor.megatron.expert_model_parallel_size="$ACTOR_EP"
+    actor_rollout_ref.actor.megatron.context_parallel_size="$ACTOR_CP"
     critic.megatron.tensor_model_parallel_size="$CRITIC_TP" critic.megatron.pipeline_model_parallel_size="$CRITIC_PP"
     trainer.nnodes="$TRAIN_NNODES" trainer.n_gpus_per_node="$TRAIN_GPUS_PER_NODE" trainer.async_mode="$ASYNC_MODE"
   )

@@ -79,7 +79,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
                               params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,
                               cpu=device.type == "cpu", recompute=recompute_settings(mc, checkpointing),
                               ep=mc.expert_model_parallel_size if moe else 1, etp=mc.expert_tensor_parallel_size or 1,
-                              moe=moe_options(cfg, mc))
+                              moe=moe_options(cfg, mc), cp=mc.context_parallel_size)
     # the reference has no seed of its own: all its weights are loaded
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
@@ -156,15 +156,19 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
                 lr_decay_steps=total_steps, lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
 
 
-def packing(requested: bool, chunks, key: Optional[str]) -> bool:
+def packing(requested: bool, chunks, key: Optional[str], cp: int = 1) -> bool:
     """Whether a role packs its micro-batches: use_remove_padding and TransformerEngine's layer
-    spec (THD attention). Requested on the local spec (CPU), it is said once and ignored."""
+    spec (THD attention), without context parallelism (packed sequences split over CP ranks are
+    not built yet). Requested where it cannot be, it is said once and ignored: padded
+    micro-batches compute the same numbers."""
     from megappo.models import uses_te
 
-    if requested and not uses_te(chunks):
+    why = ("needs TransformerEngine's layer spec (THD attention); this model uses megatron's local spec"
+           if not uses_te(chunks) else f"is not built with context parallelism (context_parallel_size {cp})"
+           if cp > 1 else "")
+    if requested and why:
         if key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            print(f"megappo: {key}=true needs TransformerEngine's layer spec (THD attention); this model uses "
-                  "megatron's local spec, so its micro-batches stay padded", flush=True)
+            print(f"megappo: {key}=true {why}, so its micro-batches stay padded", flush=True)
         return False
     return requested
 
@@ -188,7 +192,8 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
     _set_offload(actor, arr.actor.megatron)
-    actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding")
+    actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding",
+                                  arr.actor.megatron.context_parallel_size)
     return info, actor
 
 
@@ -208,7 +213,8 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int, actor=Non
                                      section="actor_rollout_ref.ref.megatron")
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
     ref.set_offload(params=arr.ref.megatron.param_offload)
-    ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None)   # the actor's model section
+    # (use_remove_padding is the actor's model section's)
+    ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None, arr.ref.megatron.context_parallel_size)
     return ref
 
 
@@ -227,7 +233,8 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id, value_mode=c.value_mode,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)
-    critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding")
+    critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding",
+                                    c.megatron.context_parallel_size)
     return critic
 
 

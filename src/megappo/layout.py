@@ -4,7 +4,7 @@ layer, and this rank's own coordinates. Config validation, the placement, conver
 workers all read it from here.
 
 - :class:`ParallelLayout` / :func:`parallel_layout`: the sizes a config implies (DP derived from
-  the world size); :func:`split_worlds`: training and rollout ranks; :func:`train_ranks_of`:
+  the world size: world = TP x CP x PP x DP); :func:`split_worlds`: training and rollout ranks; :func:`train_ranks_of`:
   which global ranks train under the split placement (as the launchers lay a job out).
 - :func:`layers_per_chunk`, :func:`layer_owner`, :func:`global_layer`: PP/VPP placement of
   layers. The decoder's layers are split evenly into ``pp * vpp`` chunks; chunk
@@ -36,6 +36,7 @@ class ParallelLayout:
     split: bool = False          # actor_rollout_ref.hybrid_engine=False: separate rollout ranks
     train_world: int = 0         # ranks that train (the whole world when colocated)
     rollout_world: int = 0       # ranks that roll out (the whole world when colocated)
+    cp: int = 1                  # context parallelism: CP ranks share a DP rank's rows
 
 
 def split_worlds(cfg) -> tuple[int, int]:
@@ -56,10 +57,11 @@ def parallel_layout(cfg, world_size: Optional[int] = None) -> ParallelLayout:
     if world_size is not None:
         train, world = (world_size - rollout, world_size) if split else (world_size, world_size)
         rollout = rollout if split else world_size
-    mp = max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    mp = max(1, m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
     rtp = max(1, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
     return ParallelLayout(world, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                          m.virtual_pipeline_model_parallel_size, train // mp, rtp, rollout // rtp, split, train, rollout)
+                          m.virtual_pipeline_model_parallel_size, train // mp, rtp, rollout // rtp, split, train, rollout,
+                          max(1, m.context_parallel_size))
 
 
 def train_ranks_of(train_nnodes: int, train_per_node: int, rollout_nnodes: int, rollout_per_node: int) -> list[int]:

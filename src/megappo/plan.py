@@ -228,6 +228,7 @@ class PlanOptions:
     pp: int = 1
     vpp: Optional[int] = None
     dp: int = 1
+    cp: int = 1                          # context parallelism: a rank holds 1/CP of each sequence's tokens
     ep: int = 1                          # expert parallelism (MoE): experts over EP of a stage's TP x DP ranks
     sequence_parallel: bool = True
     param_bytes: int = 2                 # bf16
@@ -298,7 +299,8 @@ def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training:
         out["grads"] = 4 * trained if kept["grads"] else 0
         b = 12 if o.param_bytes < 4 else 8
         edp = max(1, o.tp * o.dp // o.ep)
-        per = (b * (trained - trained_experts) // o.dp + b * trained_experts // edp if r.distributed_optimizer
+        # megatron's distributed optimizer shards dense state over DP x CP (the ranks whose gradients it sums)
+        per = (b * (trained - trained_experts) // (o.dp * o.cp) + b * trained_experts // edp if r.distributed_optimizer
                else b * trained)
         out["optimizer"] = per if kept["optimizer"] else 0
     return out
@@ -359,11 +361,16 @@ def layer_activation_bytes_per_token(m: ModelShape, o: PlanOptions) -> float:
       cos/sin);
     - norms, TransformerEngine's spec: the fused norm+linear keeps the norm's input and output
       (2b x hidden / SP) and an fp32 1/rms per token; the q/k norms keep their input (a view of the
-      qkv output) and 1/rms.
+      qkv output) and 1/rms;
+    - context parallelism (CP > 1; the tokens counted are the rank's 1/CP of each sequence): the
+      attention keeps the keys and values gathered from the other CP ranks, (CP - 1) x 2g x
+      head_dim / TP per own token (megappo's attention; TransformerEngine's holds the same
+      chunks for its backward).
     """
     sh, width, heads = _widths(m, o)
     b, hd = o.param_bytes, m.head_dim
     attention = b * ((3 * m.heads + 3 * m.groups) * hd / o.tp) + 4 * heads + 4 * b * hd
+    attention += b * (o.cp - 1) * 2 * m.groups * hd / o.tp
     mlp = b * 5 * width
     moe = b * m.hidden * m.experts_per_token / o.tp if m.experts else 0    # the tokens permuted into the experts
     if o.layer_spec == "local":
@@ -465,7 +472,7 @@ def optimizer_step_bytes(n: int, o: PlanOptions, r: RoleOptions, experts: int = 
     if not r.trains:
         return 0
     edp = max(1, o.tp * o.dp // o.ep)
-    return 4 * ((n - experts) // o.dp + experts // edp) if r.distributed_optimizer else 4 * n
+    return 4 * ((n - experts) // (o.dp * o.cp) + experts // edp) if r.distributed_optimizer else 4 * n
 
 
 def _pass_items(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int, training: bool,
@@ -514,7 +521,8 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
                 name = ACTIVE[phase][0]
                 r = roles[name]
                 training = phase.startswith("update")
-                tokens = r.train_tokens if training else r.forward_tokens
+                # a micro-batch's tokens are split over the CP ranks (each holds 1/CP of every sequence)
+                tokens = -(-(r.train_tokens if training else r.forward_tokens) // o.cp)
                 row.update(_pass_items(m, o, r, s, tokens, training, logits=s == o.pp - 1 and name != "critic"))
                 if training:   # the step runs after the pass: only what it holds beyond the pass adds
                     _, _, trained, trained_experts = counts[name]
@@ -588,7 +596,7 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     if gpu is None:
         gpu = device_memory_gb() or 80.0
     return PlanOptions(
-        tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), ep=m.expert_model_parallel_size,
+        tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), cp=lay.cp, ep=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
         # a GPU run is planned with TransformerEngine's layers (megappo uses them wherever TE
@@ -658,7 +666,8 @@ def cheapest_fix(m: ModelShape, o: PlanOptions) -> Optional[tuple[list[str], lis
 def render(p: Plan) -> str:
     o, m = p.options, p.model
     lines = [f"memory plan: {m.name or 'model'} ({stage_params(m, 1, 1, 0) / 1e9:.2f}B parameters), "
-             f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if m.experts else "")
+             f"TP{o.tp} PP{o.pp}" + (f" VPP{o.vpp}" if o.vpp else "") + (f" CP{o.cp}" if o.cp > 1 else "") + f" DP{o.dp}"
+             + (f" EP{o.ep}" if m.experts else "")
              + ", "
              f"{o.gpu_memory_gb:g} GiB per GPU ({RESERVE_GB:g} GiB reserved), vLLM {o.vllm_fraction:g}"]
     lines += lora_lines(p)

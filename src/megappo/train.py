@@ -120,7 +120,7 @@ def _resolve_hub_ids(cfg: PPOConfig, errors: list) -> None:
 
 def describe_layout(cfg: PPOConfig) -> str:
     lay = parallel_layout(cfg)
-    vpp = f" VPP={lay.vpp}" if lay.vpp else ""
+    vpp = (f" VPP={lay.vpp}" if lay.vpp else "") + (f" CP={lay.cp}" if lay.cp > 1 else "")
     ep = cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size
     tr, ro = cfg.trainer, cfg.rollout
     if lay.split:   # two groups of ranks: say where each sits and how it is laid out

@@ -383,6 +383,20 @@ RULES = [
      f"({A}megatron.tensor_model_parallel_size x {A}megatron.pipeline_model_parallel_size)"),
     ([A + "megatron.virtual_pipeline_model_parallel_size=2"], {},
      A + "megatron.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size > 1 (is 1); set it to null"),
+    # -- context parallelism -----------------------------------------------------------------------
+    ([A + "megatron.context_parallel_size=0"], {}, A + "megatron.context_parallel_size", "must be >= 1, got 0"),
+    (["trainer.n_gpus_per_node=6", A + "megatron.context_parallel_size=2", A + "megatron.pipeline_model_parallel_size=2",
+      "data.train_batch_size=12"], WS, A + "megatron.context_parallel_size",
+     "world size 6 (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by TP x CP x PP = 1 x 2 x 2 = 4"),
+    ([A + "megatron.context_parallel_size=2", "actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2"], {},
+     A + "megatron.context_parallel_size", "must be 1 with the split placement"),
+    ([A + "megatron.context_parallel_size=2", "critic.model.lora_rank=8"], {}, A + "megatron.context_parallel_size",
+     "must be 1 with LoRA (actor_rollout_ref.model.lora_rank / critic.model.lora_rank) for now, got 2"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", A + "megatron.context_parallel_size=2"], PATHS,
+     A + "megatron.context_parallel_size", "must be 1 with a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 "
+     "experts) for now, got 2"),
+    (["critic.megatron.context_parallel_size=2"], {}, "critic.megatron.context_parallel_size",
+     f"must equal {A}megatron.context_parallel_size (1), got 2"),
     # -- split placement (actor_rollout_ref.hybrid_engine=False) ----------------------------------
     (["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=2"], dict(world_size=2), "trainer.n_gpus_per_node",
      "trainer.nnodes x trainer.n_gpus_per_node = 1 x 2 + rollout.nnodes x rollout.n_gpus_per_node = 1 x 2 = 4, "
@@ -899,8 +913,10 @@ def test_verl_compat_says_what_each_override_becomes(tmp_path):
         "mapped", "reward_model.forward_micro_batch_size_per_gpu", "sets reward_model.micro_batch_size_per_gpu")
     assert verl_compat("actor_rollout_ref.actor.use_torch_compile=False")[0] == "accepted"
     assert verl_compat("actor_rollout_ref.actor.use_torch_compile=True")[0] == "warned"
-    status, key, why = verl_compat("actor_rollout_ref.actor.megatron.context_parallel_size=2")
-    assert (status, key) == ("refused", "actor_rollout_ref.actor.megatron.context_parallel_size") and "context" in why
+    assert verl_compat("actor_rollout_ref.actor.megatron.context_parallel_size=2")[0] == "set"
+    assert verl_compat("trainer.default_hdfs_dir=hdfs://x")[:2] == ("refused", "trainer.default_hdfs_dir")
+    status, key, why = verl_compat("reward_model.megatron.context_parallel_size=2")
+    assert (status, key) == ("refused", "reward_model.megatron.context_parallel_size") and "critic's layout" in why
     assert verl_compat("data.train_batch_size=abc") == ("refused", "data.train_batch_size", "expected an integer, got 'abc'")
     assert verl_compat("trainer.nobody=1")[0] == "unknown"
     cmd = tmp_path / "run_verl.sh"

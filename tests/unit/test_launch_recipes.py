@@ -45,6 +45,18 @@ def test_layout_not_dividing_the_world_names_the_variables():
     assert p.returncode == 2 and "ROLLOUT_TP=3 does not divide" in p.stderr
 
 
+def test_context_parallelism_from_the_environment():
+    p = _dry("qwen3_8b.sh", ACTOR_TP="2", ACTOR_PP="2", ACTOR_CP="2", NNODES="2", NGPUS_PER_NODE="8")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    assert cfg["actor_rollout_ref"]["actor"]["megatron"]["context_parallel_size"] == 2
+    assert cfg["critic"]["megatron"]["context_parallel_size"] == 2    # the critic's layout is the actor's
+    assert "train: TP=2 PP=2 CP=2 DP=2 | rollout: TP=2 DP=8" in p.stdout
+    assert "TP2 PP2 CP2 DP2" in p.stdout    # the memory plan's layout
+    p = _dry("qwen3_8b.sh", ACTOR_TP="2", ACTOR_CP="3", NGPUS_PER_NODE="8")
+    assert p.returncode == 2 and "ACTOR_TP=2 x ACTOR_CP=3 x ACTOR_PP=2 = 12 does not divide the world" in p.stderr
+
+
 def test_qwen3_8b_dry_run_shows_the_layout_for_the_given_nodes():
     p = _dry("qwen3_8b.sh", ACTOR_TP="2", ACTOR_PP="2", NNODES="2", NGPUS_PER_NODE="8")
     assert p.returncode == 0, p.stderr

@@ -93,6 +93,25 @@ def test_parameters_and_bytes_match_a_hand_count():
                                     "vLLM": int(0.5 * GiB)}
 
 
+def test_context_parallelism_splits_the_tokens_and_shards_the_optimizer_over_dp_x_cp():
+    m = P.model_shape(SMALL)
+    o = P.PlanOptions(tp=2, pp=2, dp=4, gpu_memory_gb=1.0, vllm_fraction=0.5, micro_batches=8,
+                      actor=P.RoleOptions(train_tokens=100, forward_tokens=200))
+    cp = replace(o, cp=2)
+    n0 = 2 * 18592 + 32768   # stage 0's parameters (the hand count above)
+    one, two = P.plan(m, o).table, P.plan(m, cp).table
+    assert two[0]["update_actor"]["actor optimizer"] == 12 * n0 // 8           # DP4 x CP2
+    assert two[0]["update_actor"]["actor weights"] == one[0]["update_actor"]["actor weights"]
+    assert two[0]["update_actor"]["actor grads"] == one[0]["update_actor"]["actor grads"]
+    # each rank holds 50 of a micro-batch's 100 tokens; its attention keeps the other rank's keys
+    # and values too: (2 - 1) x (keys and values) 2 x 2 groups x 16 / TP2 x 2 B = 64 B per own token
+    assert P.layer_activation_bytes_per_token(m, cp) == P.layer_activation_bytes_per_token(m, o) + 64
+    assert two[0]["update_actor"]["activations"] == (1336 + 64) * 50 * 2 * 2 + 512 * 50
+    # the last stage's logits are of the rank's own positions
+    assert two[1]["update_actor"]["logits"] == 50 * 512 * 2 * 2 + 50 * 64 * 2 + 50 * 512 * 4 * 5
+    assert two[1]["old_log_prob"]["logits"] == 100 * 512 * 2 + 100 * 512 * 4 * 2
+
+
 @pytest.mark.parametrize("name,billions", [("Qwen3-8B", 8.19), ("Qwen3-14B", 14.77), ("Qwen3-32B", 32.76),
                                            ("Qwen2.5-0.5B", 0.49), ("Qwen3-30B-A3B", 30.53)])
 def test_shipped_model_configs_have_their_published_size(name, billions):

@@ -165,7 +165,7 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("model_engine=fsdp", "error", "Megatron-only"),
     ("actor_rollout_ref.rollout.mode=sync", None, None),
     ("actor_rollout_ref.actor.megatron.context_parallel_size=1", None, None),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "error", "context parallelism is not supported"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", None, None),   # a setting
     ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=False", None, None),
     ("trainer.default_hdfs_dir=null", None, None),
     ("trainer.default_hdfs_dir=hdfs://x", "error", "HDFS copies are not supported"),
@@ -307,20 +307,14 @@ def test_the_dist_checkpointing_command_starts_when_its_checkpoint_exists(tmp_pa
 def test_verls_megatron_multi_turn_gsm8k_command(tmp_path):
     """verl's multi-turn GSM8K Megatron example, unchanged: its --config-name is known (its
     settings apply), rollout.name=sglang runs as vLLM with a warning naming the substitution, and
-    the one thing refused is context parallelism (CP=2 for the actor and the reference)."""
+    and its context parallelism (CP=2 for the actor and the reference) is megappo's own."""
     from verl_commands import VERL_GSM8K_TOOL_CONFIG, VERL_MULTI_TURN_COMMAND
 
     tools = tmp_path / "examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml"
     tools.parent.mkdir(parents=True)
     tools.write_text(VERL_GSM8K_TOOL_CONFIG)
     argv = [a.replace("$PROJECT_DIR", str(tmp_path)) for a in VERL_MULTI_TURN_COMMAND["argv"]]
-    rc, _, err = dry_run(argv)
-    assert rc == 2
-    cp = {f"actor_rollout_ref.{r}.megatron.context_parallel_size" for r in ("actor", "ref")}
-    found = errors(err)
-    assert set(found) == cp, found
-    assert all("context parallelism is not supported" in m for m in found.values())
-    rc, out, err = dry_run([a for a in argv if _key(a) not in cp])
+    rc, out, err = dry_run(argv)
     assert rc == 0, err
     cfg = yaml.safe_load(out[:out.index("# layout")])
     ro = cfg["actor_rollout_ref"]["rollout"]
@@ -330,8 +324,9 @@ def test_verls_megatron_multi_turn_gsm8k_command(tmp_path):
     assert cfg["data"]["train_batch_size"] == 1024 and cfg["algorithm"]["adv_estimator"] == "grpo"
     meg = cfg["actor_rollout_ref"]["actor"]["megatron"]
     assert (meg["tensor_model_parallel_size"], meg["pipeline_model_parallel_size"],
-            meg["virtual_pipeline_model_parallel_size"]) == (2, 2, 2)
-    assert "train: TP=2 PP=2 VPP=2 DP=2 | rollout: TP=2 DP=4" in out
+            meg["virtual_pipeline_model_parallel_size"], meg["context_parallel_size"]) == (2, 2, 2, 2)
+    assert cfg["actor_rollout_ref"]["ref"]["megatron"]["context_parallel_size"] == 2
+    assert "train: TP=2 PP=2 VPP=2 CP=2 DP=1 | rollout: TP=2 DP=4" in out
     warned = [line for line in err.splitlines() if line.startswith("megappo: warning: ")]
     assert [w for w in warned if "sglang" in w] == [
         "megappo: warning: actor_rollout_ref.rollout.name=sglang runs as actor_rollout_ref.rollout.name=vllm: "

@@ -103,6 +103,7 @@ class MegatronConfig:
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
+    context_parallel_size: int = _f(1, "Context-parallel size (CP): each sequence is split over CP ranks (megatron's load-balanced chunks), which share their data-parallel rank's rows; attention gathers keys and values over the CP group. For long sequences: activations per rank shrink by CP. world = TP x CP x PP x DP.")
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
     use_distributed_optimizer: bool = _f(True, "Shard optimizer state over data-parallel ranks.")
     seed: int = _f(42, "Seed of megatron's model-parallel RNGs (weight init, dropout).")
@@ -123,6 +124,7 @@ class RefMegatronConfig:
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (TP).")
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (PP).")
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, "Model chunks per pipeline stage for the interleaved schedule (VPP); null disables.")
+    context_parallel_size: int = _f(1, "Context-parallel size (CP): each sequence is split over CP ranks (megatron's load-balanced chunks), which share their data-parallel rank's rows; attention gathers keys and values over the CP group. For long sequences: activations per rank shrink by CP. world = TP x CP x PP x DP.")
     sequence_parallel: bool = _f(True, "Megatron sequence parallelism; only takes effect when TP > 1.")
     expert_model_parallel_size: int = _f(1, "Expert-parallel size (EP), Mixture-of-Experts models only.")
     expert_tensor_parallel_size: Optional[int] = _f(None, "Expert tensor-parallel size: 1 or null (experts whole on their EP rank).")
@@ -136,7 +138,7 @@ class RefMegatronConfig:
 # parallel state per process), so their layout (and the critic's optimizer sharding and seed)
 # defaults to the actor's; offload and recomputation are each role's own.
 _INHERITED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-              "sequence_parallel", "use_distributed_optimizer", "seed", "expert_model_parallel_size",
+              "context_parallel_size", "sequence_parallel", "use_distributed_optimizer", "seed", "expert_model_parallel_size",
               "expert_tensor_parallel_size")
 
 

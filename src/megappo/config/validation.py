@@ -112,12 +112,26 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
          "one_step_off does not combine with dynamic sampling (algorithm.filter_groups.enable) yet: its extra "
          "generation rounds would wait for the update")
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
-    layout_ok = tp >= 1 and pp >= 1 and world >= 1
-    if layout_ok:
+    cp = m.context_parallel_size
+    layout_ok = tp >= 1 and pp >= 1 and world >= 1 and need(cp >= 1, A + "megatron.context_parallel_size",
+                                                             f"must be >= 1, got {cp}")
+    if layout_ok and cp == 1:
         layout_ok = need(world % (tp * pp) == 0, A + "megatron.tensor_model_parallel_size",
                          f"world size {world} (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by "
                          f"TP x PP = {tp} x {pp} = {tp * pp} ({A}megatron.tensor_model_parallel_size x "
                          f"{A}megatron.pipeline_model_parallel_size)")
+    elif layout_ok:
+        layout_ok = need(world % (tp * cp * pp) == 0, A + "megatron.context_parallel_size",
+                         f"world size {world} (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by "
+                         f"TP x CP x PP = {tp} x {cp} x {pp} = {tp * cp * pp} ({A}megatron.tensor_model_parallel_size "
+                         f"x {A}megatron.context_parallel_size x {A}megatron.pipeline_model_parallel_size)")
+    if cp > 1:
+        # combinations not built or tested yet, refused before anything starts
+        need(not split, A + "megatron.context_parallel_size",
+             f"must be 1 with the split placement (actor_rollout_ref.hybrid_engine=False) for now, got {cp}: "
+             "context parallelism is tested with colocated rollout only")
+        need(not lora_enabled(cfg) and cfg.critic.model.lora_rank == 0, A + "megatron.context_parallel_size",
+             f"must be 1 with LoRA (actor_rollout_ref.model.lora_rank / critic.model.lora_rank) for now, got {cp}")
     if vpp is not None and vpp >= 1:
         need(pp > 1, A + "megatron.virtual_pipeline_model_parallel_size",
              f"the interleaved schedule needs pipeline_model_parallel_size > 1 (is {pp}); set it to null")
@@ -135,7 +149,7 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
     for sect in ("actor_rollout_ref.ref", "critic"):
         other = get(cfg, sect + ".megatron")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                     "expert_model_parallel_size"):
+                     "context_parallel_size", "expert_model_parallel_size"):
             need(getattr(other, name) == getattr(m, name), f"{sect}.megatron.{name}",
                  f"must equal {A}megatron.{name} ({getattr(m, name)}), got {getattr(other, name)}: the actor, "
                  "reference and critic share one megatron parallel state per process")
@@ -589,6 +603,11 @@ def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
         need(False, k, f"must be 1: {key} ({get(cfg, key)}) is a dense model (no num_experts in its config.json), got {ep}")
     elif experts and ep >= 1:
         need(experts % ep == 0, k, f"must divide the model's num_experts ({experts}, {key}), got {ep}")
+    cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+    if experts and cp > 1:
+        need(False, A + "megatron.context_parallel_size",
+             f"must be 1 with a Mixture-of-Experts model ({key}: {experts} experts) for now, got {cp}: context "
+             "parallelism is built and tested for dense models")
     lora = lora_enabled(cfg) if key == "actor_rollout_ref.model.path" else (
         key == "critic.model.path" and cfg.critic.model.lora_rank > 0)
     if experts and lora:

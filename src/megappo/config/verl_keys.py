@@ -90,7 +90,8 @@ RULES: list[tuple[str, Rule]] = [
     ("*.model.lora.rank", _when(lambda v: v not in (0, None), "error", BRIDGE_LORA)),
     ("*.model.lora.adapter_path", _when(lambda v: v is not None, "error", BRIDGE_LORA)),
     ("*.model.lora.*", lambda v: None),
-    ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: context parallelism is not supported")),
+    # (the actor's, reference's and critic's are megappo keys; the reward model runs on the critic's layout)
+    ("*.megatron.context_parallel_size", _when(lambda v: v not in (1, None), "error", "must be 1: this role runs on the critic's layout (set critic.megatron.context_parallel_size)")),
     ("reward_model.megatron.use_dist_checkpointing", _when(_truthy, "error", "must be False: the reward model loads from the HF folder in reward_model.model.path (convert a Megatron checkpoint with checkpoints_tools/convert_to_hf.py)")),
     # MoE performance switches of verl's Megatron recipes: what megappo does, or a note that it does not
     ("*.megatron.override_transformer_config.moe_grouped_gemm", _when(lambda v: not _truthy(v), "warn", "has no effect: megappo uses TransformerEngine's grouped expert GEMMs whenever TransformerEngine is installed (SequentialMLP otherwise)")),

@@ -50,7 +50,7 @@ def init_distributed(cfg: PPOConfig) -> torch.device:
     m = cfg.actor_rollout_ref.actor.megatron
     initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                         m.virtual_pipeline_model_parallel_size, seed=m.seed, ep=m.expert_model_parallel_size,
-                        etp=m.expert_tensor_parallel_size or 1)
+                        etp=m.expert_tensor_parallel_size or 1, cp=m.context_parallel_size)
     return process_device(cfg.trainer.device)
 
 
