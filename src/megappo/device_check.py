@@ -124,6 +124,8 @@ class SimulatedCuda(CudaToCpu):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):   # pinned host memory is host memory (no pinned allocator off CUDA)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and self.tensor_type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name

@@ -1,8 +1,9 @@
 """Context parallelism through the trainer: PPO with GAE, a critic and a KL loss at CP2 takes the
 steps of the same run at TP2 (the same world, so the same vLLM replicas and samples): only the
-training layout differs, and with it the order of the sums. A CP2 run resumed from its step-1
-checkpoint repeats step 2."""
+training layout differs, and with it the order of the sums. The CP2 run runs under the CPU device
+check (MEGAPPO_CHECK_DEVICES=1). A CP2 run resumed from its step-1 checkpoint repeats step 2."""
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,9 @@ sys.path.insert(0, str(REPO / "tests" / "distributed"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 
-def _worker(rank, world, model, train, run_dir, layout, extra=()):
+def _worker(rank, world, model, train, run_dir, layout, extra=(), check_devices=False):
+    if check_devices:   # the CPU device check: a device mix-up in the CP path fails here as on a GPU
+        os.environ["MEGAPPO_CHECK_DEVICES"] = "1"
     from megappo.config import load_config, validate
     from megappo.trainer import PPOTrainer, init_distributed
 
@@ -44,7 +47,7 @@ def test_a_cp2_run_takes_the_tp2_runs_steps(tmp_path):
     runs = {}
     for name, layout in (("cp2", [f"{m}context_parallel_size=2"]), ("tp2", [f"{m}tensor_model_parallel_size=2"])):
         spawn(_worker, 2, p["model"], p["train"], str(tmp_path / name), layout,
-              ["trainer.save_freq=1"] if name == "cp2" else [])
+              ["trainer.save_freq=1"] if name == "cp2" else [], name == "cp2")
         runs[name] = read_metrics(tmp_path / name)
     cp2, tp2 = runs["cp2"], runs["tp2"]
     assert len(cp2) == len(tp2) == 2

@@ -46,7 +46,9 @@ def _natural_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
 class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):   # x [s_local, ...] in the rank's layout -> [S, ...] in sequence order
-        ctx.group = group
+        # the backward allocates on the forward input's device: under the CPU device check a
+        # gradient from autograd's engine is untracked (it would read as host memory)
+        ctx.group, ctx.device = group, x.device
         cp, s_local = dist.get_world_size(group), x.shape[0]
         out = torch.empty((cp * s_local, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -56,9 +58,9 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cp = dist.get_world_size(ctx.group)
-        held = torch.empty_like(grad)
+        held = torch.empty(grad.shape, dtype=grad.dtype, device=ctx.device)
         held[ctx.order] = grad   # back to the ranks' concatenated layout
-        out = torch.empty((grad.shape[0] // cp, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        out = torch.empty((grad.shape[0] // cp, *grad.shape[1:]), dtype=grad.dtype, device=ctx.device)
         dist.reduce_scatter_tensor(out, held.contiguous(), group=ctx.group)
         return out, None
 
