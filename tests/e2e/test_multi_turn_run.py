@@ -161,6 +161,15 @@ def _run_tp2_pp2(rank, world, setup, tools_yaml, run_dir, out):
     torch.distributed.barrier()
 
 
+def _run_cp2(rank, world, setup, tools_yaml, run_dir, out):
+    import torch
+
+    cfg, trainer = _trainer(world, setup, tools_yaml, run_dir, [f"{A}megatron.context_parallel_size=2"])
+    assert (trainer.actor.cp, trainer.actor.dp) == (2, 1)
+    Path(f"{out}.{rank}").write_text(json.dumps(_first_batch(cfg, trainer)))
+    torch.distributed.barrier()
+
+
 @pytest.mark.e2e
 def test_multi_turn_ppo_on_cpu(tmp_path):
     from harness import spawn
@@ -271,3 +280,23 @@ def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
     for r in reports:
         _check_first_batch(r)
         assert {k: v for k, v in r.items() if k != "lp_diff"} == {k: v for k, v in reports[0].items() if k != "lp_diff"}
+
+
+@pytest.mark.e2e
+def test_multi_turn_log_probs_at_cp2(tmp_path):
+    """The same batch check with the actor at CP2 (each rank holds half of every conversation,
+    tool turns included): megatron's log-probs, gathered over the context-parallel ranks, equal
+    the engine's on every model token, on both ranks."""
+    from harness import spawn
+
+    from megappo.data.tiny import make_tiny_setup
+
+    setup = make_tiny_setup(str(tmp_path / "tiny"), n_train=32, n_test=4)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
+    out = tmp_path / "report.json"
+    spawn(_run_cp2, 2, setup, str(tools), str(tmp_path / "run"), str(out))
+    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    for r in reports:
+        _check_first_batch(r)
+    assert reports[0] == reports[1]
