@@ -89,6 +89,23 @@ def test_split_synchronous_trains_as_colocated(tiny):
     _resume_from_step_2(root / "split_sync", root / "split_sync_resumed", setup, SPLIT, split)
 
 
+@pytest.mark.e2e
+def test_split_at_cp2_trains_as_colocated(tiny):
+    """The training ranks at context parallelism 2 (one DP rank): the bridge sends what the
+    colocated run's engines load, and every metric is the colocated CP2 run's."""
+    from harness import free_port, spawn
+
+    root, setup = tiny
+    cp = ["actor_rollout_ref.actor.megatron.context_parallel_size=2"]
+    spawn(_run, 2, setup, str(root / "colocated_cp2"), 2, cp)
+    spawn(_run, 4, setup, str(root / "split_cp2"), 2, SPLIT + cp, free_port())
+    colocated, split = _rows(root / "colocated_cp2"), _rows(root / "split_cp2")
+    assert [r["step"] for r in split] == [1, 2]
+    for a, b in zip(colocated, split):
+        assert _stable(a) == _stable(b), sorted(k for k in _stable(a) if _stable(b).get(k) != _stable(a)[k])
+    assert split[-1]["training/rollout_probs_diff_max"] < 1e-4   # the rollout ranks hold the actor's weights
+
+
 def _resume_from_step_2(run, resumed, setup, extra, rows):
     from harness import free_port, spawn
 

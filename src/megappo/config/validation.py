@@ -127,9 +127,6 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
                          f"x {A}megatron.context_parallel_size x {A}megatron.pipeline_model_parallel_size)")
     if cp > 1:
         # combinations not built or tested yet, refused before anything starts
-        need(not split, A + "megatron.context_parallel_size",
-             f"must be 1 with the split placement (actor_rollout_ref.hybrid_engine=False) for now, got {cp}: "
-             "context parallelism is tested with colocated rollout only")
         need(not lora_enabled(cfg) and cfg.critic.model.lora_rank == 0, A + "megatron.context_parallel_size",
              f"must be 1 with LoRA (actor_rollout_ref.model.lora_rank / critic.model.lora_rank) for now, got {cp}")
     if vpp is not None and vpp >= 1:
