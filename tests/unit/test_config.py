@@ -388,8 +388,6 @@ RULES = [
     (["trainer.n_gpus_per_node=6", A + "megatron.context_parallel_size=2", A + "megatron.pipeline_model_parallel_size=2",
       "data.train_batch_size=12"], WS, A + "megatron.context_parallel_size",
      "world size 6 (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by TP x CP x PP = 1 x 2 x 2 = 4"),
-    ([A + "megatron.context_parallel_size=2", "critic.model.lora_rank=8"], {}, A + "megatron.context_parallel_size",
-     "must be 1 with LoRA (actor_rollout_ref.model.lora_rank / critic.model.lora_rank) for now, got 2"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", A + "megatron.context_parallel_size=2"], PATHS,
      A + "megatron.context_parallel_size", "must be 1 with a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 "
      "experts) for now, got 2"),

@@ -125,10 +125,6 @@ def _layout(cfg: PPOConfig, need: Need, W: list[str], world_size: Optional[int])
                          f"world size {world} (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by "
                          f"TP x CP x PP = {tp} x {cp} x {pp} = {tp * cp * pp} ({A}megatron.tensor_model_parallel_size "
                          f"x {A}megatron.context_parallel_size x {A}megatron.pipeline_model_parallel_size)")
-    if cp > 1:
-        # combinations not built or tested yet, refused before anything starts
-        need(not lora_enabled(cfg) and cfg.critic.model.lora_rank == 0, A + "megatron.context_parallel_size",
-             f"must be 1 with LoRA (actor_rollout_ref.model.lora_rank / critic.model.lora_rank) for now, got {cp}")
     if vpp is not None and vpp >= 1:
         need(pp > 1, A + "megatron.virtual_pipeline_model_parallel_size",
              f"the interleaved schedule needs pipeline_model_parallel_size > 1 (is {pp}); set it to null")
