@@ -208,8 +208,8 @@ class RoleOptions:
     optimizer_offload: bool = False
     recompute: Optional[str] = None      # None | "full" | "selective"
     recompute_num_layers: int = 1
-    train_tokens: int = 0                # micro-batch token budget of the update
-    forward_tokens: int = 0              # micro-batch token budget of its forward-only pass
+    train_tokens: int = 0                # a micro-batch's tokens on one GPU in the update
+    forward_tokens: int = 0              # ... and in its forward-only pass
     # LoRA: adapters of this rank on these HF modules of every decoder layer; 0: full fine-tuning
     lora_rank: int = 0
     lora_modules: tuple[str, ...] = ()
@@ -228,7 +228,7 @@ class PlanOptions:
     pp: int = 1
     vpp: Optional[int] = None
     dp: int = 1
-    cp: int = 1                          # context parallelism: a rank holds 1/CP of each sequence's tokens
+    cp: int = 1                          # context parallelism (the roles' token counts are per GPU already)
     ep: int = 1                          # expert parallelism (MoE): experts over EP of a stage's TP x DP ranks
     sequence_parallel: bool = True
     param_bytes: int = 2                 # bf16
@@ -241,8 +241,8 @@ class PlanOptions:
     # local spec with megappo's RMSNorm: CPU, a GPU without TE, and megappo.simulate)
     layer_spec: str = "te"
     logits_chunk_tokens: int = 1024             # megappo.distributed.LOGITS_CHUNK_TOKENS
-    # what one DP rank's passes cover per step (the step's compute, megappo.plan --simulate):
-    # its share of the batch's samples at full prompt + response length, and the update epochs
+    # what one GPU's passes cover per step (the step's compute, megappo.plan --simulate): its DP
+    # rank's share of the batch's samples at full prompt + response length (/ CP), and the update epochs
     step_tokens: int = 0
     actor_epochs: int = 1
     critic_epochs: int = 1
@@ -521,8 +521,7 @@ def plan(m: ModelShape, o: PlanOptions) -> Plan:
                 name = ACTIVE[phase][0]
                 r = roles[name]
                 training = phase.startswith("update")
-                # a micro-batch's tokens are split over the CP ranks (each holds 1/CP of every sequence)
-                tokens = -(-(r.train_tokens if training else r.forward_tokens) // o.cp)
+                tokens = r.train_tokens if training else r.forward_tokens
                 row.update(_pass_items(m, o, r, s, tokens, training, logits=s == o.pp - 1 and name != "critic"))
                 if training:   # the step runs after the pass: only what it holds beyond the pass adds
                     _, _, trained, trained_experts = counts[name]
@@ -562,7 +561,10 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     seq = d.max_prompt_length + d.max_response_length
 
     def budget(dynamic: bool, tokens: int, micro: Optional[int]) -> int:
-        return tokens if dynamic else (micro or 1) * seq
+        """A micro-batch's tokens on one GPU: a token budget is per GPU (under context parallelism
+        a micro-batch holds CP x the budget, as in verl); a fixed count of samples is split over
+        the CP ranks."""
+        return tokens if dynamic else -(-(micro or 1) * seq // lay.cp)
 
     def role(mc, present, trains, train_tokens, forward_tokens, ckpt_flag=False):
         gran = mc.override_transformer_config.recompute_granularity if trains else None
@@ -590,7 +592,7 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
     critic = replace(critic, lora_rank=critic_lora[0], lora_modules=critic_lora[1])
     ref = replace(ref, shares_actor=actor.lora)
     samples_per_rank = act.ppo_mini_batch_size * ro.n // max(1, lay.dp)
-    micro = (max(1, samples_per_rank * seq // max(1, actor.train_tokens)) if act.use_dynamic_bsz
+    micro = (max(1, samples_per_rank * seq // max(1, actor.train_tokens * lay.cp)) if act.use_dynamic_bsz
              else max(1, samples_per_rank // (act.ppo_micro_batch_size_per_gpu or 1)))
     gpu = gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb
     if gpu is None:
@@ -606,7 +608,7 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         # split placement: vLLM has GPUs of its own; the plan is of a training GPU
         vllm_fraction=0.0 if lay.split else ro.gpu_memory_utilization, vllm_sleeps=ro.free_cache_engine,
         micro_batches=micro,
-        step_tokens=d.train_batch_size * ro.n * seq // max(1, lay.dp),
+        step_tokens=d.train_batch_size * ro.n * seq // max(1, lay.dp * lay.cp),
         actor_epochs=act.ppo_epochs, critic_epochs=c.ppo_epochs,
         actor=actor, critic=critic, ref=ref)
 

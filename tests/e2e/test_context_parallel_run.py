@@ -24,7 +24,10 @@ def _worker(rank, world, model, train, run_dir, layout, extra=(), check_devices=
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
                        "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=-1",
                        "trainer.test_freq=-1", "actor_rollout_ref.actor.use_kl_loss=true",
-                       "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.total_training_steps=2", *layout,
+                       "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.total_training_steps=2",
+                       # token budgets (per GPU: at CP2 a micro-batch holds twice the tokens of TP2's)
+                       "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
+                       "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=128", *layout,
                        *extra], ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)

@@ -1,5 +1,6 @@
 """Micro-batch grouping: fixed size or a token budget."""
 import pytest
+import torch
 
 
 def test_token_budget_micro_batches():
@@ -185,3 +186,23 @@ def test_shuffle_reaches_both_updates_with_its_seed(monkeypatch):
     assert seeds_seen([A + "shuffle=true"]) == (42, 42)
     assert seeds_seen([A + "shuffle=true", A + "data_loader_seed=5", "critic.shuffle=false"]) == (5, None)
     assert seeds_seen(["critic.shuffle=true", "critic.data_loader_seed=9"]) == (None, 9)
+
+
+def test_a_token_budget_is_per_gpu_under_context_parallelism():
+    """ppo_max_token_len_per_gpu is what one GPU holds (verl's meaning): at CP2 each rank holds
+    half of every sequence, so a micro-batch may hold twice the tokens."""
+    from types import SimpleNamespace
+
+    from megappo.batch import RolloutBatch
+    from megappo.workers import MegatronWorker
+
+    prompts = [[5] * 6 for _ in range(8)]
+    responses = torch.full((8, 4), 7)
+    batch = RolloutBatch.from_prompts_and_responses(prompts, responses, torch.ones(8, 4), pad_token_id=0)
+    counts = {}
+    for cp in (1, 2):   # 8 samples of 10 tokens under a budget of 20 per GPU
+        worker = SimpleNamespace(ddp_chunks=[None], pp=1, cp=cp)
+        micros, order, keep = MegatronWorker._micro(worker, batch, None, 20)
+        assert sorted(order) == list(range(8))
+        counts[cp] = [len(mb) for mb in micros]
+    assert counts == {1: [2] * 4, 2: [4] * 2}

@@ -93,8 +93,9 @@ def test_parameters_and_bytes_match_a_hand_count():
                                     "vLLM": int(0.5 * GiB)}
 
 
-def test_context_parallelism_splits_the_tokens_and_shards_the_optimizer_over_dp_x_cp():
+def test_context_parallelism_keeps_gathered_keys_and_shards_the_optimizer_over_dp_x_cp():
     m = P.model_shape(SMALL)
+    # a role's token counts are per GPU (options_from_config divides a micro-batch by CP)
     o = P.PlanOptions(tp=2, pp=2, dp=4, gpu_memory_gb=1.0, vllm_fraction=0.5, micro_batches=8,
                       actor=P.RoleOptions(train_tokens=100, forward_tokens=200))
     cp = replace(o, cp=2)
@@ -103,13 +104,35 @@ def test_context_parallelism_splits_the_tokens_and_shards_the_optimizer_over_dp_
     assert two[0]["update_actor"]["actor optimizer"] == 12 * n0 // 8           # DP4 x CP2
     assert two[0]["update_actor"]["actor weights"] == one[0]["update_actor"]["actor weights"]
     assert two[0]["update_actor"]["actor grads"] == one[0]["update_actor"]["actor grads"]
-    # each rank holds 50 of a micro-batch's 100 tokens; its attention keeps the other rank's keys
-    # and values too: (2 - 1) x (keys and values) 2 x 2 groups x 16 / TP2 x 2 B = 64 B per own token
+    # the attention keeps the other rank's keys and values too: (2 - 1) x (keys and values) 2 x
+    # 2 groups x 16 / TP2 x 2 B = 64 B per own token
     assert P.layer_activation_bytes_per_token(m, cp) == P.layer_activation_bytes_per_token(m, o) + 64
-    assert two[0]["update_actor"]["activations"] == (1336 + 64) * 50 * 2 * 2 + 512 * 50
-    # the last stage's logits are of the rank's own positions
-    assert two[1]["update_actor"]["logits"] == 50 * 512 * 2 * 2 + 50 * 64 * 2 + 50 * 512 * 4 * 5
-    assert two[1]["old_log_prob"]["logits"] == 100 * 512 * 2 + 100 * 512 * 4 * 2
+    assert two[0]["update_actor"]["activations"] == (1336 + 64) * 100 * 2 * 2 + 512 * 100
+    assert two[1]["update_actor"]["logits"] == one[1]["update_actor"]["logits"]
+
+
+def test_context_parallelism_from_a_config_splits_micro_batches_and_keeps_token_budgets():
+    from megappo.config import load_config
+
+    def opts(*extra):
+        return P.options_from_config(load_config(["trainer.n_gpus_per_node=8", "data.max_prompt_length=96",
+                                                  "data.max_response_length=32", *extra], ["tiny_cpu"]))
+
+    m = "actor_rollout_ref.actor.megatron."
+    fixed, fixed2 = opts(), opts(f"{m}context_parallel_size=2")
+    assert (fixed.cp, fixed2.cp, fixed2.dp) == (1, 2, 4)
+    # 2 samples of 128 tokens per micro-batch (the preset's): 256 tokens on a GPU, 128 at CP2
+    assert (fixed.actor.train_tokens, fixed2.actor.train_tokens) == (256, 128)
+    # per GPU a step covers the same tokens: DP 8 x CP 1 or DP 4 x CP 2 GPUs share the batch
+    assert fixed2.step_tokens == fixed.step_tokens == 8 * 2 * 128 // 8
+    # a token budget is per GPU (as verl's): the same tokens per GPU, so at the same DP (4) a
+    # micro-batch holds twice the samples: 8 samples x 128 tokens a rank, 4 micro-batches of 256, 2 at CP2
+    dyn = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.train_batch_size=16"]
+    budget, budget2 = opts(*dyn, "trainer.n_gpus_per_node=4"), opts(*dyn, f"{m}context_parallel_size=2")
+    assert (budget.dp, budget2.dp) == (4, 4)
+    assert budget.actor.train_tokens == budget2.actor.train_tokens == 256
+    assert (budget.micro_batches, budget2.micro_batches) == (4, 2)
 
 
 @pytest.mark.parametrize("name,billions", [("Qwen3-8B", 8.19), ("Qwen3-14B", 14.77), ("Qwen3-32B", 32.76),

@@ -163,7 +163,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = _f(256, "Prompts per PPO mini-batch (x rollout.n samples), global over data-parallel ranks.")
     ppo_micro_batch_size_per_gpu: Optional[int] = _f(None, "Samples per forward/backward micro-batch on one rank; required unless use_dynamic_bsz.")
     use_dynamic_bsz: bool = _f(False, "Pack micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed count.")
-    ppo_max_token_len_per_gpu: int = _f(16384, "Token budget of one micro-batch when use_dynamic_bsz.")
+    ppo_max_token_len_per_gpu: int = _f(16384, "Token budget of one micro-batch on one GPU when use_dynamic_bsz (under context parallelism a micro-batch holds context_parallel_size x this many tokens, each CP rank its share, as in verl).")
     ppo_epochs: int = _f(1, "Passes over each training batch.")
     shuffle: bool = _f(False, "Draw each PPO epoch's mini-batches from a new random order of the batch (as TRL and OpenRLHF do); false: the same mini-batches in the same order every epoch (verl's default).")
     data_loader_seed: int = _f(42, "Seed of the shuffled order (with the optimizer's step count and the epoch, so a resumed run draws the same orders).")

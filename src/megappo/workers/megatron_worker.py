@@ -188,6 +188,8 @@ class MegatronWorker:
         with copies of the shortest sample under an all-zero response mask (no loss, no
         gradient; their outputs are dropped) and kept at the batch's width."""
         lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        if max_token_len is not None:   # a budget per GPU: each CP rank holds 1/CP of the micro-batch (as verl)
+            max_token_len *= self.cp
         groups = micro_batch_groups(len(batch), lengths, micro_batch_size, max_token_len)
         vpp = len(self.ddp_chunks) > 1
         if vpp:
