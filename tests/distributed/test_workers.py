@@ -28,19 +28,19 @@ def _rows_for(rank_dp, dp):
     return [j * M + rank_dp * per + k for j in range(B // M) for k in range(per)]
 
 
-def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1):
-    setup(tp, pp, cp=cp)
+def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1, vpp=None):
+    setup(tp, pp, vpp, cp=cp)
     from megatron.core import parallel_state as ps
 
     from megappo.workers import Actor, Critic
 
     path = os.path.join(dirs, "qwen3")
-    info, cfg, chunks = build(path, tp, pp, cp=cp)
+    info, cfg, chunks = build(path, tp, pp, vpp, cp=cp)
     # SGD: Adam turns round-off-level gradient differences into full-size steps, which would
     # compare the layouts' summation orders rather than their gradients.
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.5, clip_grad=1.0, optimizer="sgd",
                   use_distributed_optimizer=False)
-    cinfo, ccfg, cchunks = build(path, tp, pp, value_head=True, cp=cp)
+    cinfo, ccfg, cchunks = build(path, tp, pp, vpp, value_head=True, cp=cp)
     critic = Critic(cchunks, ccfg, lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch = _global_batch().select(_rows_for(dp_rank, dp))
@@ -89,13 +89,14 @@ def reference(single):
     return _result(single, "reference")
 
 
-@pytest.mark.parametrize("world, tp, pp, micro, max_tokens, cp", [
-    (4, 2, 2, 1, None, 1), (2, 1, 1, 1, None, 1), (2, 2, 1, 2, None, 1), (2, 1, 2, 2, None, 1), (2, 1, 1, None, 40, 1),
-    (2, 1, 1, 2, None, 2), (4, 2, 1, 1, None, 2), (4, 1, 2, 2, None, 2),
-], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2CP2"])
-def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp):
+@pytest.mark.parametrize("world, tp, pp, micro, max_tokens, cp, vpp", [
+    (4, 2, 2, 1, None, 1, None), (2, 1, 1, 1, None, 1, None), (2, 2, 1, 2, None, 1, None), (2, 1, 2, 2, None, 1, None),
+    (2, 1, 1, None, 40, 1, None), (2, 1, 1, 2, None, 2, None), (4, 2, 1, 1, None, 2, None),
+    (4, 1, 2, None, 40, 2, 2),
+], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2VPP2CP2-token-budget"])
+def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp, vpp):
     out = str(tmp_path / "r.json")
-    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens, cp)
+    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens, cp, vpp)
     with open(out) as f:
         got = json.load(f)
     assert len(got["pg"]) == len(reference["pg"]) == 4          # 2 mini-batches x 2 epochs
