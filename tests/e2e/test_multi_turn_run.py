@@ -260,13 +260,8 @@ def _check_dapo_step(d, delta):
     assert m["training/rollout_probs_diff_max"] < 1e-4
 
 
-@pytest.mark.e2e
-def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
-    """The same batch check with the actor at TP2 x PP2 on 4 processes and vLLM at TP2 (two
-    replicas of two ranks; each replica's first rank runs the tools for both) (GRPO, no critic;
-    no training): megatron's log-probs, gathered across tensor-parallel vocabulary shards and sent
-    from the last pipeline stage to every rank, equal the engine's on every model token, and
-    every rank holds the same batch."""
+def _first_batch_reports(tmp_path, worker, world):
+    """``worker``'s first-batch report of each of ``world`` ranks, on the calculator task."""
     from harness import spawn
 
     from megappo.data.tiny import make_tiny_setup
@@ -275,8 +270,18 @@ def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
     out = tmp_path / "report.json"
-    spawn(_run_tp2_pp2, 4, setup, str(tools), str(tmp_path / "run"), str(out))
-    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(4)]
+    spawn(worker, world, setup, str(tools), str(tmp_path / "run"), str(out))
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world)]
+
+
+@pytest.mark.e2e
+def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
+    """The same batch check with the actor at TP2 x PP2 on 4 processes and vLLM at TP2 (two
+    replicas of two ranks; each replica's first rank runs the tools for both) (GRPO, no critic;
+    no training): megatron's log-probs, gathered across tensor-parallel vocabulary shards and sent
+    from the last pipeline stage to every rank, equal the engine's on every model token, and
+    every rank holds the same batch."""
+    reports = _first_batch_reports(tmp_path, _run_tp2_pp2, 4)
     for r in reports:
         _check_first_batch(r)
         assert {k: v for k, v in r.items() if k != "lp_diff"} == {k: v for k, v in reports[0].items() if k != "lp_diff"}
@@ -287,16 +292,7 @@ def test_multi_turn_log_probs_at_cp2(tmp_path):
     """The same batch check with the actor at CP2 (each rank holds half of every conversation,
     tool turns included): megatron's log-probs, gathered over the context-parallel ranks, equal
     the engine's on every model token, on both ranks."""
-    from harness import spawn
-
-    from megappo.data.tiny import make_tiny_setup
-
-    setup = make_tiny_setup(str(tmp_path / "tiny"), n_train=32, n_test=4)
-    tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native}\n")
-    out = tmp_path / "report.json"
-    spawn(_run_cp2, 2, setup, str(tools), str(tmp_path / "run"), str(out))
-    reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    reports = _first_batch_reports(tmp_path, _run_cp2, 2)
     for r in reports:
         _check_first_batch(r)
     assert reports[0] == reports[1]
