@@ -289,8 +289,8 @@ def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training:
     ``experts`` are MoE experts; ``trained`` of them have gradients and optimizer state, all by
     default: with LoRA only the adapters, the base is frozen); offloaded parts are absent while
     the role is idle (weights come back for its forward passes, gradients and optimizer state for
-    its update only). The distributed optimizer shards dense state over DP and expert state over
-    the expert-data-parallel ranks (TP x DP / EP: the ranks holding the same experts)."""
+    its update only). The distributed optimizer shards dense state over DP (x CP) and expert state
+    over the expert-data-parallel ranks (TP x CP x DP / EP: the ranks holding the same experts)."""
     trained = n if trained is None else trained
     trained_experts = experts if trained_experts is None else trained_experts
     kept = resident(r, active, training)
@@ -298,7 +298,7 @@ def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training:
     if r.trains:
         out["grads"] = 4 * trained if kept["grads"] else 0
         b = 12 if o.param_bytes < 4 else 8
-        edp = max(1, o.tp * o.dp // o.ep)
+        edp = max(1, o.tp * o.cp * o.dp // o.ep)
         # megatron's distributed optimizer shards dense state over DP x CP (the ranks whose gradients it sums)
         per = (b * (trained - trained_experts) // (o.dp * o.cp) + b * trained_experts // edp if r.distributed_optimizer
                else b * trained)
@@ -471,7 +471,7 @@ def optimizer_step_bytes(n: int, o: PlanOptions, r: RoleOptions, experts: int = 
     TE or apex. Only the main weights' shard: the gradients are views of DDP's buffer."""
     if not r.trains:
         return 0
-    edp = max(1, o.tp * o.dp // o.ep)
+    edp = max(1, o.tp * o.cp * o.dp // o.ep)
     return 4 * ((n - experts) // (o.dp * o.cp) + experts // edp) if r.distributed_optimizer else 4 * n
 
 

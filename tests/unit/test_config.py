@@ -388,9 +388,6 @@ RULES = [
     (["trainer.n_gpus_per_node=6", A + "megatron.context_parallel_size=2", A + "megatron.pipeline_model_parallel_size=2",
       "data.train_batch_size=12"], WS, A + "megatron.context_parallel_size",
      "world size 6 (trainer.nnodes x trainer.n_gpus_per_node) must be divisible by TP x CP x PP = 1 x 2 x 2 = 4"),
-    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", A + "megatron.context_parallel_size=2"], PATHS,
-     A + "megatron.context_parallel_size", "must be 1 with a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 "
-     "experts) for now, got 2"),
     (["critic.megatron.context_parallel_size=2"], {}, "critic.megatron.context_parallel_size",
      f"must equal {A}megatron.context_parallel_size (1), got 2"),
     # -- split placement (actor_rollout_ref.hybrid_engine=False) ----------------------------------

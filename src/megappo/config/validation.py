@@ -596,11 +596,6 @@ def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
         need(False, k, f"must be 1: {key} ({get(cfg, key)}) is a dense model (no num_experts in its config.json), got {ep}")
     elif experts and ep >= 1:
         need(experts % ep == 0, k, f"must divide the model's num_experts ({experts}, {key}), got {ep}")
-    cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
-    if experts and cp > 1:
-        need(False, A + "megatron.context_parallel_size",
-             f"must be 1 with a Mixture-of-Experts model ({key}: {experts} experts) for now, got {cp}: context "
-             "parallelism is built and tested for dense models")
     lora = lora_enabled(cfg) if key == "actor_rollout_ref.model.path" else (
         key == "critic.model.path" and cfg.critic.model.lora_rank > 0)
     if experts and lora:

@@ -90,11 +90,11 @@ class RouterStats:
         moe_utils.reduce_aux_losses_tracker_across_ranks(self.names)
         if "z_loss" in self.names:
             # megatron records the z-loss with no reduce group: each rank's own tokens' mean (its
-            # logging shows rank 0's); average it over the stage's TP x DP ranks (equal token counts)
+            # logging shows rank 0's); average it over the stage's TP x CP x DP ranks (equal token counts)
             from megatron.core import parallel_state as ps
 
             dist.all_reduce(tracker["z_loss"]["values"], op=dist.ReduceOp.AVG,
-                            group=ps.get_tensor_and_data_parallel_group())
+                            group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
         n_moe = sum(self.config.moe_layer_freq) if isinstance(self.config.moe_layer_freq, list) else self.config.num_layers
         out = {}
         for name in self.names:
