@@ -43,17 +43,23 @@ def _natural_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
     return torch.argsort(held).to(device)
 
 
+def _gather_in_order(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every CP rank's ``x`` (this rank's positions along ``dim``) joined along ``dim`` in
+    sequence order."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim).index_select(dim, _natural_order(cp * x.shape[dim], cp, x.device))
+
+
 class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):   # x [s_local, ...] in the rank's layout -> [S, ...] in sequence order
         # the backward allocates on the forward input's device: under the CPU device check a
         # gradient from autograd's engine is untracked (it would read as host memory)
-        ctx.group, ctx.device = group, x.device
-        cp, s_local = dist.get_world_size(group), x.shape[0]
-        out = torch.empty((cp * s_local, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        ctx.order = _natural_order(cp * s_local, cp, x.device)
-        return out.index_select(0, ctx.order)
+        cp = dist.get_world_size(group)
+        ctx.group, ctx.device, ctx.order = group, x.device, _natural_order(cp * x.shape[0], cp, x.device)
+        return _gather_in_order(x, group, 0)
 
     @staticmethod
     def backward(ctx, grad):
@@ -75,11 +81,7 @@ class _GatherPositions(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, positions):   # x [B, s_local, ...] -> [B, S, ...] in sequence order
         ctx.positions = positions
-        cp = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(cp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        S = cp * x.shape[1]
-        return torch.cat(parts, dim=1).index_select(1, _natural_order(S, cp, x.device))
+        return _gather_in_order(x, group, 1)
 
     @staticmethod
     def backward(ctx, grad):
