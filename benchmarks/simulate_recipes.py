@@ -30,11 +30,14 @@ LAUNCH_OVERRIDES = {"qwen2.5_0.5b": ["actor_rollout_ref.model.path=Qwen/Qwen2.5-
                                      "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
                     + [f"{k}=16384" for k in _BUDGET]}
 
-# Layouts beyond the recipes' own, so that the simulated shapes reach PP4 with virtual stages:
-# name -> (the recipe it starts from, what it changes)
+# Layouts beyond the recipes' own, so that the simulated shapes reach PP4 with virtual stages and
+# context parallelism: name -> (the recipe it starts from, what it changes)
 _PP = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
 EXTRA_LAYOUTS = {"qwen3_32b_tp4_pp4_vpp2": ("qwen3_32b", [f"{role}.megatron.{k}={v}" for role in (
-    "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic") for k, v in zip(_PP, (4, 4, 2))])}
+    "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic") for k, v in zip(_PP, (4, 4, 2))]),
+                 # two nodes: TP2 PP2 CP2 DP2, the recipe's 24k-token budget per GPU (48k-token micro-batches)
+                 "qwen3_8b_cp2": ("qwen3_8b", ["trainer.nnodes=2",
+                                               "actor_rollout_ref.actor.megatron.context_parallel_size=2"])}
 
 ONE = """
 import json, sys

@@ -731,8 +731,8 @@ def render_simulation(p: Plan, results: list) -> str:
     p = local_spec_plan(p)
     o = p.options
     lines = [f"simulated memory per GPU ({LABEL}): {p.model.name or 'model'}, TP{o.tp} PP{o.pp}"
-             + (f" VPP{o.vpp}" if o.vpp else "") + f" DP{o.dp}" + (f" EP{o.ep}" if p.model.experts else "")
-             + f", world {o.tp * o.pp * o.dp}"]
+             + (f" VPP{o.vpp}" if o.vpp else "") + (f" CP{o.cp}" if o.cp > 1 else "") + f" DP{o.dp}"
+             + (f" EP{o.ep}" if p.model.experts else "") + f", world {o.tp * o.pp * o.cp * o.dp}"]
     for r in results:
         lines.append(f"  pipeline stage {r.stage} (rank {r.rank}, simulated in {r.seconds:.0f} s):")
         for name, st in r.state.items():

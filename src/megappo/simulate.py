@@ -33,7 +33,9 @@ never sees these):
 - megatron's local layer spec materialises the [s, s] attention scores, which the GPU path's
   flash attention (TransformerEngine) never does: core attention is
   ``scaled_dot_product_attention``, whose fake kernel keeps what flash attention keeps (the
-  output and the log-sum-exp);
+  output and the log-sum-exp); under context parallelism it keeps no mask either (the CPU
+  path's explicit [s_local, S] causal mask is dropped: the products count as full ones, as
+  torch's formulas count them anyway);
 - megatron's global memory buffer (the local spec's sequence-parallel all-gathers) persists
   from the first pass on: it is released before each simulated pass, so that each pass's peak
   counts it (:func:`_release_gather_buffer`);
@@ -190,8 +192,10 @@ def simulation_patches():
     moe = [(MoEAlltoAllTokenDispatcher, name, getattr(BalancedDispatch, name))
            for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
                         "token_combine", "combine_postprocess")]
+    from megappo.models import SdpaCoreAttention
+
     with contextlib.ExitStack() as stack:
-        for obj, name, value in moe + [(mrandom.CudaRNGStatesTracker, "fork", fork),
+        for obj, name, value in moe + [(SdpaCoreAttention, "_cp_causal_mask", lambda self, n, device: None),(mrandom.CudaRNGStatesTracker, "fork", fork),
                                  (param_and_grad_buffer, "_coalescing_manager", one_by_one),
                                  (mopt, "get_grad_norm_fp32", lambda *a, **k: 0.0),
                                  (dist, "new_group", fake_new_group), (dist, "all_gather_object", gather_object)]:
@@ -200,7 +204,7 @@ def simulation_patches():
 
 
 def stage_rank(stage: int, world: int, pp: int, tp: int = 1) -> int:
-    """The global rank of the last TP rank, DP rank 0 of a pipeline stage (megatron's default
+    """The global rank of the last TP rank, CP and DP rank 0 of a pipeline stage (megatron's default
     order tp-cp-ep-dp-pp: the pipeline rank is the slowest, the TP rank the fastest). The last TP
     rank holds the padded end of the vocabulary, whose masking costs the log-prob kernel one more
     temporary: the stage's largest rank."""
@@ -208,7 +212,8 @@ def stage_rank(stage: int, world: int, pp: int, tp: int = 1) -> int:
 
 
 @contextlib.contextmanager
-def fake_world(world: int, rank: int, tp: int, pp: int, vpp: Optional[int] = None, ep: Optional[int] = None):
+def fake_world(world: int, rank: int, tp: int, pp: int, vpp: Optional[int] = None, ep: Optional[int] = None,
+               cp: int = 1):
     """torch.distributed on the fake backend as ``rank`` of ``world``, and megatron's parallel
     state of that rank; both torn down on exit."""
     import torch.distributed as dist
@@ -225,7 +230,7 @@ def fake_world(world: int, rank: int, tp: int, pp: int, vpp: Optional[int] = Non
     try:
         expert = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp, **expert)
+                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp, **expert)
         model_parallel_cuda_manual_seed(1)
         yield
     finally:
@@ -294,7 +299,7 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     moe = info.desc.num_experts > 0
     cfg = transformer_config(info, tp=o.tp, pp=o.pp, vpp=o.vpp, sequence_parallel=o.sequence_parallel,
                              params_dtype=torch.bfloat16 if o.param_bytes == 2 else torch.float32, cpu=True,
-                             recompute=_recompute(r) if r.trains else None, ep=o.ep if moe else 1)
+                             recompute=_recompute(r) if r.trains else None, ep=o.ep if moe else 1, cp=o.cp)
     cfg.variable_seq_lengths = False
     out = RoleBytes()
     before = mem.current
@@ -324,18 +329,23 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     return role, out
 
 
-def _loss(role: _Role, forward_only: bool, ids, output):
+def _loss(role: _Role, forward_only: bool, gather, ids, output):
+    """The workers' per-token outputs of a pass summed; under context parallelism (``gather``)
+    computed at this rank's positions and all-gathered over the sequence, as the workers do."""
     from megatron.core import parallel_state as ps
 
     from megappo.distributed import log_probs_and_entropy, log_probs_from_logits
 
+    whole = gather or (lambda x: x)
     if role.critic:
-        return output[..., 0].float()[:, :-1].sum(), {}
-    logits, labels, tp = output[:, :-1], ids[:, 1:], ps.get_tensor_model_parallel_group()
+        return whole(output[..., 0].float())[:, :-1].sum(), {}
+    # the workers' labels: the next token of every held position (under CP), else of all but the last
+    logits, labels = (output, ids) if gather else (output[:, :-1], ids[:, 1:])
+    tp = ps.get_tensor_model_parallel_group()
     if forward_only:
-        return log_probs_from_logits(logits, labels, tp, role.vocab_size).sum(), {}
+        return whole(log_probs_from_logits(logits, labels, tp, role.vocab_size)).sum(), {}
     lp, ent = log_probs_and_entropy(logits, labels, tp, role.vocab_size)
-    return (lp + ent).sum(), {}
+    return (whole(lp) + whole(ent)).sum(), {}
 
 
 class FlopCount(TorchDispatchMode):
@@ -368,21 +378,30 @@ class FlopCount(TorchDispatchMode):
 
 
 def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) -> int:
-    """``micro_batches`` micro-batches of ``tokens`` tokens (one row) through megatron's schedule
+    """``micro_batches`` micro-batches of ``tokens`` tokens per rank (one row; under context
+    parallelism this rank's two chunks of a CP x longer row) through megatron's schedule
     (forward and backward when training; the optimizer step is the caller's). Returns the tokens
-    that went through."""
+    that went through this rank."""
     from functools import partial
 
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    tp = role.config.tensor_model_parallel_size
-    width = -(-tokens // tp) * tp            # sequence parallelism splits the row over TP
+    from megappo.models import CPSequence, local_positions
+
+    tp, cp = role.config.tensor_model_parallel_size, role.config.context_parallel_size
+    unit = tp * (2 if cp > 1 else 1)     # sequence parallelism splits the row over TP; CP holds two chunks
+    width = -(-tokens // unit) * unit
+    if cp > 1:
+        held = local_positions(width * cp, cp, ps.get_context_parallel_rank())
+        pos, gather = held[None], CPSequence(None, ps.get_context_parallel_group(), held, 0).gather
+    else:
+        pos, gather = torch.arange(width)[None], None
 
     def forward_step(data_iterator, model):
         next(data_iterator)
         ids = torch.zeros(1, width, dtype=torch.long)
-        pos = torch.arange(width)[None]
-        return model(ids, pos, attention_mask=None), partial(_loss, role, forward_only, ids)
+        return model(ids, pos, attention_mask=None), partial(_loss, role, forward_only, gather, ids)
 
     models = role.ddp_chunks if not forward_only else role.chunks
     if not forward_only:
@@ -393,7 +412,7 @@ def _run_pass(role: _Role, tokens: int, micro_batches: int, forward_only: bool) 
     with torch.no_grad() if forward_only else contextlib.nullcontext():    # as the workers' forward passes
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=its,
                                     model=models if len(models) > 1 else models[0],
-                                    num_microbatches=micro_batches, seq_length=width, micro_batch_size=1,
+                                    num_microbatches=micro_batches, seq_length=width * cp, micro_batch_size=1,
                                     forward_only=forward_only)
     return width * micro_batches
 
@@ -424,16 +443,13 @@ def simulate_stage(hf: dict, o, stage: int, phases=SIMULATED_PHASES, fake: bool 
     fake tensors account as real ones allocate)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if getattr(o, "cp", 1) > 1:
-        raise ValueError(f"the simulation of context parallelism (context_parallel_size {o.cp}) is not built yet: "
-                         "plan without --simulate")
     start = time.monotonic()
-    world = o.tp * o.pp * o.dp
+    world = o.tp * o.pp * o.cp * o.dp
     rank = stage_rank(stage, world, o.pp, o.tp)
     result = StageResult(stage=stage, rank=rank)
     mem = LiveBytes()
     moe = bool(hf.get("num_experts"))
-    with simulation_patches(), fake_world(world, rank, o.tp, o.pp, o.vpp, o.ep if moe else None):
+    with simulation_patches(), fake_world(world, rank, o.tp, o.pp, o.vpp, o.ep if moe else None, o.cp):
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), mem:
             roles = {}
             for name, r, head in (("actor", o.actor, False), ("critic", o.critic, True), ("ref", o.ref, False)):

@@ -1,7 +1,8 @@
 """megappo.simulate: a small but real simulation (a tiny Qwen3 at TP2 x PP2 x DP2 on a fake world
 of 8 ranks, one process). Its state bytes against a hand count of the model's parameters and the
 bytes per parameter megatron's buffers hold; its accounting of fake tensors against the same
-run on real tensors; and ``python -m megappo.plan --simulate``'s output."""
+run on real tensors; context parallelism's gathered keys and values against a hand count; and
+``python -m megappo.plan --simulate``'s output."""
 import json
 import subprocess
 import sys
@@ -21,15 +22,16 @@ TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_si
 SCRIPT = """
 import dataclasses, json, sys
 from megappo import plan as P, simulate as S
-hf, tp, pp, dp, fake = json.loads(sys.argv[1]), *map(int, sys.argv[2:6])
+hf, tp, pp, dp, fake, cp = json.loads(sys.argv[1]), *map(int, sys.argv[2:7])
 role = lambda **kw: P.RoleOptions(train_tokens=512, forward_tokens=512, **kw)
-o = P.PlanOptions(tp=tp, pp=pp, dp=dp, micro_batches=4, actor=role(), critic=role(recompute="full"))
+o = P.PlanOptions(tp=tp, pp=pp, dp=dp, cp=cp, micro_batches=4, actor=role(), critic=role(recompute="full"))
 print(json.dumps([dataclasses.asdict(S.simulate_stage(hf, o, s, fake=bool(fake))) for s in range(pp)]))
 """
 
 
-def _simulate(tp, pp, dp, fake=True):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TINY), str(tp), str(pp), str(dp), str(int(fake))],
+def _simulate(tp, pp, dp, fake=True, cp=1):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TINY), str(tp), str(pp), str(dp), str(int(fake)),
+                        str(cp)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -94,17 +96,55 @@ def test_fake_tensors_account_as_real_tensors_allocate():
         assert 0 <= f.pop("weights") - r.pop("weights") <= 4 and f == r
 
 
-def test_plan_simulate_prints_simulated_beside_planned(tmp_path):
+@pytest.fixture(scope="module")
+def cp2():
+    return _simulate(1, 1, 1, cp=2)
+
+
+def test_fake_tensors_account_as_real_tensors_allocate_at_cp2(cp2):
+    """Context parallelism's gathers (keys and values, per-token outputs) on the fake backend:
+    fake and real tensors account alike."""
+    fake, real = cp2, _simulate(1, 1, 1, fake=False, cp=2)
+    for key in ("parameters", "transient", "passes", "steps", "flops"):
+        assert fake[0][key] == real[0][key], key
+
+
+def test_context_parallelism_keeps_the_gathered_keys_and_values(cp2):
+    """The same 512 tokens per GPU at CP2 and at CP4 (world 2 and 4): each layer of the actor's
+    update keeps, for its backward, the keys and values gathered from the other CP ranks
+    ((CP - 1) x 512 tokens x 2 x GROUPS x D, bf16) and the gather's reordering index (int64, one
+    per position of the CP x 512-token row, for k and for v): CP4 keeps 2 x 512 tokens' more of
+    each than CP2, and nothing else more at the pass's peak. The distributed optimizer's state
+    is sharded over DP x CP."""
+    cp4 = _simulate(1, 1, 1, cp=4)
+    a, b, T = cp2[0], cp4[0], 512
+    kv = L * (4 - 2) * T * 2 * GROUPS * D * 2
+    index = L * 2 * (4 - 2) * T * 8
+    assert b["passes"]["update_actor"] - a["passes"]["update_actor"] == kv + index
+    # attention's products against the keys of 2 more ranks' tokens (4 b h s_q s_k d forward,
+    # full products, as torch's formulas count them)
+    assert b["flops"]["old_log_prob"] - a["flops"]["old_log_prob"] == L * 4 * HEADS * T * (4 - 2) * T * D
+    for res, cp in ((a, 2), (b, 4)):
+        n, N = res["parameters"]["actor"], res["state"]["actor"]["buffer_elements"]
+        # a 4-byte step counter per parameter tensor of the shard (35 in the model: 8 per layer,
+        # the embedding, the final norm and the output layer)
+        assert 12 * (N // cp - (N - n)) <= res["state"]["actor"]["optimizer"] <= 12 * N // cp + 4 * 35, cp
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_plan_simulate_prints_simulated_beside_planned(tmp_path, cp):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     r = subprocess.run([sys.executable, "-m", "megappo.plan", "--simulate", "--stage", "1", "--config",
                         "parallel_configs/qwen3_8b.yaml", "--model-config", str(tmp_path / "config.json"),
                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512", "critic.ppo_max_token_len_per_gpu=512",
                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
-                        "critic.forward_max_token_len_per_gpu=512", "trainer.gpu_memory_gb=80"],
+                        "critic.forward_max_token_len_per_gpu=512", "trainer.gpu_memory_gb=80",
+                        f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    assert "simulated memory per GPU (simulated, not measured on a GPU)" in out and "TP2 PP2 DP2, world 8" in out
+    layout = "TP2 PP2 DP2, world 8" if cp == 1 else "TP2 PP2 CP2 DP1, world 8"
+    assert "simulated memory per GPU (simulated, not measured on a GPU)" in out and layout in out
     assert "pipeline stage 1 (rank 5" in out and "pipeline stage 0 (rank" not in out
     assert "compute per GPU per step (the training passes at full lengths" in out and "(a planning figure)" in out
     for phase in ("old_log_prob", "values", "update_critic", "update_actor"):
@@ -121,7 +161,7 @@ def test_mixture_of_experts_simulates_with_balanced_routing():
                num_experts_per_tok=K, moe_intermediate_size=FE, mlp_only_layers=[], decoder_sparse_step=1)
     script = SCRIPT.replace("P.PlanOptions(tp=tp", "P.PlanOptions(ep=2, tp=tp").replace(
         ", critic=role(recompute=\"full\")", "")
-    r = subprocess.run([sys.executable, "-c", script, json.dumps(moe), "1", "1", "2", "1"],
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(moe), "1", "1", "2", "1", "1"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     (res,) = json.loads(r.stdout.strip().splitlines()[-1])
@@ -139,9 +179,9 @@ PLANNED = """
 import json, sys
 from dataclasses import replace
 from megappo import plan as P, simulate as S
-hf = json.loads(sys.argv[1])
+hf, cp = json.loads(sys.argv[1]), int(sys.argv[2])
 role = lambda **kw: P.RoleOptions(train_tokens=4096, forward_tokens=4096, **kw)
-o = P.PlanOptions(tp=2, pp=2, dp=2, micro_batches=4, layer_spec="local", actor=role(), critic=role(recompute="full"),
+o = P.PlanOptions(tp=2, pp=2, dp=2 // cp, cp=cp, micro_batches=4, layer_spec="local", actor=role(), critic=role(recompute="full"),
                   ref=role(trains=False))
 p = P.plan(P.model_shape(hf), o)
 rows = []
@@ -156,16 +196,18 @@ print(json.dumps(rows))
 """
 
 
-def test_planner_is_within_ten_percent_of_the_simulation_at_real_width():
+@pytest.mark.parametrize("cp", [1, 2])
+def test_planner_is_within_ten_percent_of_the_simulation_at_real_width(cp):
     """Qwen3-8B's shapes (hidden 4096, FFN 12288, 32/8 heads, its 152k vocabulary) shrunk to 4
-    layers, at TP2 x PP2 x DP2 with 4k-token micro-batches: the actor without recomputation, the
+    layers, at TP2 x PP2 x DP2 (and TP2 x PP2 x CP2: 4k tokens per GPU of 8k-token sequences,
+    the gathered keys and values kept) with 4k-token micro-batches per GPU: the actor without recomputation, the
     critic with full recomputation, a reference. Every phase of both stages: the planner's total
     (local layer spec, as simulated) within 10% of the simulated one, which the simulation
     measures by counting fake storages, not by the planner's formulas. The transient parts alone
     too: each pass's peak (activations and logits) and the optimizer step's temporary."""
     hf = json.loads((REPO / "src/megappo/model_configs/Qwen3-8B.json").read_text())
     hf["num_hidden_layers"] = 4
-    r = subprocess.run([sys.executable, "-c", PLANNED, json.dumps(hf)], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", PLANNED, json.dumps(hf), str(cp)], capture_output=True, text=True, timeout=300,
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])

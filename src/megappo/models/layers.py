@@ -135,18 +135,25 @@ class SdpaCoreAttention(torch.nn.Module):
             # queries are two chunks of the sequence; they attend to every rank's keys and values,
             # gathered (the all-gather form of CP: its memory is the sequence's K/V, which GQA keeps
             # small), under the causal mask of their positions in the whole sequence.
-            from .context_parallel import gather_kv, local_positions
+            from .context_parallel import gather_kv
 
             key, value = gather_kv(key, self.cp_group), gather_kv(value, self.cp_group)
             if causal:
-                qpos = local_positions(key.shape[0], self.cp, self.cp_group.rank(), device=query.device)
-                mask = torch.arange(key.shape[0], device=query.device)[None, :] <= qpos[:, None]
-                causal = False
+                mask, causal = self._cp_causal_mask(key.shape[0], query.device), False
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))   # [b, heads, s, d]
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _cp_causal_mask(self, seq_len: int, device) -> torch.Tensor:
+        """[s_local, S] True where this rank's query may attend to a key: at or before its
+        position in the whole sequence (megappo.simulate replaces it: the flash kernel of a GPU
+        keeps no mask)."""
+        from .context_parallel import local_positions
+
+        qpos = local_positions(seq_len, self.cp, self.cp_group.rank(), device=device)
+        return torch.arange(seq_len, device=device)[None, :] <= qpos[:, None]
 
 
 def layer_spec(config, qk_layernorm: bool, use_te: bool, vp_stage=None, pp_rank=None, core_attention=None):
