@@ -157,15 +157,16 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
 
 
 def packing(requested: bool, chunks, key: Optional[str], cp: int = 1) -> bool:
-    """Whether a role packs its micro-batches: use_remove_padding and TransformerEngine's layer
-    spec (THD attention), without context parallelism (packed sequences split over CP ranks are
-    not built yet). Requested where it cannot be, it is said once and ignored: padded
-    micro-batches compute the same numbers."""
-    from megappo.models import uses_te
+    """Whether a role packs its micro-batches: use_remove_padding and an attention that takes
+    packed sequences (THD: TransformerEngine's, or megappo's in the local spec), without context
+    parallelism (packed sequences split over CP ranks are not built yet). Requested where it
+    cannot be, it is said once and ignored: padded micro-batches compute the same numbers."""
+    from megappo.models import packs_sequences
 
-    why = ("needs TransformerEngine's layer spec (THD attention); this model uses megatron's local spec"
-           if not uses_te(chunks) else f"is not built with context parallelism (context_parallel_size {cp})"
-           if cp > 1 else "")
+    why = ("needs an attention that takes packed sequences (TransformerEngine's, or megappo's where the local "
+           "spec can use it: no sliding window, attention sink or dropout); this model has megatron's "
+           "DotProductAttention" if not packs_sequences(chunks)
+           else f"is not built with context parallelism (context_parallel_size {cp})" if cp > 1 else "")
     if requested and why:
         if key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             print(f"megappo: {key}=true {why}, so its micro-batches stay padded", flush=True)

@@ -28,7 +28,7 @@ def _rows_for(rank_dp, dp):
     return [j * M + rank_dp * per + k for j in range(B // M) for k in range(per)]
 
 
-def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1, vpp=None):
+def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1, vpp=None, packed=False):
     setup(tp, pp, vpp, cp=cp)
     from megatron.core import parallel_state as ps
 
@@ -42,6 +42,7 @@ def _worker(rank, world, tp, pp, micro, dirs, out_file, max_tokens=None, cp=1, v
                   use_distributed_optimizer=False)
     cinfo, ccfg, cchunks = build(path, tp, pp, vpp, value_head=True, cp=cp)
     critic = Critic(cchunks, ccfg, lr=0.5, clip_grad=1.0, optimizer="sgd", use_distributed_optimizer=False)
+    actor.pack_sequences = critic.pack_sequences = packed
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch = _global_batch().select(_rows_for(dp_rank, dp))
     mb = dict(micro_batch_size=None if max_tokens else micro, max_token_len=max_tokens)
@@ -89,14 +90,19 @@ def reference(single):
     return _result(single, "reference")
 
 
-@pytest.mark.parametrize("world, tp, pp, micro, max_tokens, cp, vpp", [
-    (4, 2, 2, 1, None, 1, None), (2, 1, 1, 1, None, 1, None), (2, 2, 1, 2, None, 1, None), (2, 1, 2, 2, None, 1, None),
-    (2, 1, 1, None, 40, 1, None), (2, 1, 1, 2, None, 2, None), (4, 2, 1, 1, None, 2, None),
-    (4, 1, 2, None, 40, 2, 2),
-], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2VPP2CP2-token-budget"])
-def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp, vpp):
+@pytest.mark.parametrize("world, tp, pp, micro, max_tokens, cp, vpp, packed", [
+    (4, 2, 2, 1, None, 1, None, False), (2, 1, 1, 1, None, 1, None, False), (2, 2, 1, 2, None, 1, None, False),
+    (2, 1, 2, 2, None, 1, None, False), (2, 1, 1, None, 40, 1, None, False), (2, 1, 1, 2, None, 2, None, False),
+    (4, 2, 1, 1, None, 2, None, False), (4, 1, 2, None, 40, 2, 2, False),
+    (2, 1, 1, 2, None, 1, None, True), (2, 2, 1, 2, None, 1, None, True), (4, 1, 2, None, 40, 1, 2, True),
+], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2VPP2CP2-token-budget",
+        "DP2-packed", "TP2-packed", "PP2VPP2-packed-token-budget"])
+def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp, vpp,
+                                            packed):
+    """Packed cases (use_remove_padding: the sequences of a micro-batch end to end in one row,
+    attention kept within each) against the padded single rank too."""
     out = str(tmp_path / "r.json")
-    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens, cp, vpp)
+    spawn(_worker, world, tp, pp, micro, model_dir, out, max_tokens, cp, vpp, packed)
     with open(out) as f:
         got = json.load(f)
     assert len(got["pg"]) == len(reference["pg"]) == 4          # 2 mini-batches x 2 epochs

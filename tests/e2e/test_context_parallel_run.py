@@ -1,7 +1,10 @@
 """Context parallelism through the trainer: PPO with GAE, a critic and a KL loss at CP2 takes the
 steps of the same run at TP2 (the same world, so the same vLLM replicas and samples): only the
 training layout differs, and with it the order of the sums. The CP2 run runs under the CPU device
-check (MEGAPPO_CHECK_DEVICES=1). A CP2 run resumed from its step-1 checkpoint repeats step 2."""
+check (MEGAPPO_CHECK_DEVICES=1); the TP2 run packs its sequences (use_remove_padding: each
+micro-batch's sequences end to end in one row, megappo's attention kept within each), so the two
+runs also compare packed with padded micro-batches through the trainer. A CP2 run resumed from its
+step-1 checkpoint repeats step 2."""
 import math
 import os
 import sys
@@ -35,7 +38,10 @@ def _worker(rank, world, model, train, run_dir, layout, extra=(), check_devices=
 
     want_cp = 2 if f"{m}context_parallel_size=2" in layout else 1
     assert ps.get_context_parallel_world_size() == want_cp and ps.get_data_parallel_world_size() == 1
-    PPOTrainer(cfg).fit()
+    trainer = PPOTrainer(cfg)
+    packed = "actor_rollout_ref.model.use_remove_padding=true" in layout
+    assert trainer.actor.pack_sequences == trainer.critic.pack_sequences == trainer.ref.pack_sequences == packed
+    trainer.fit()
 
 
 @pytest.mark.e2e
@@ -48,7 +54,9 @@ def test_a_cp2_run_takes_the_tp2_runs_steps(tmp_path):
     p = make_tiny_setup(str(tmp_path / "tiny"))
     m = "actor_rollout_ref.actor.megatron."
     runs = {}
-    for name, layout in (("cp2", [f"{m}context_parallel_size=2"]), ("tp2", [f"{m}tensor_model_parallel_size=2"])):
+    for name, layout in (("cp2", [f"{m}context_parallel_size=2"]),
+                         ("tp2", [f"{m}tensor_model_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+                                  "critic.model.use_remove_padding=true"])):
         spawn(_worker, 2, p["model"], p["train"], str(tmp_path / name), layout,
               ["trainer.save_freq=1"] if name == "cp2" else [], name == "cp2")
         runs[name] = read_metrics(tmp_path / name)

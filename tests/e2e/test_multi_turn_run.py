@@ -153,8 +153,9 @@ def _run_tp2_pp2(rank, world, setup, tools_yaml, run_dir, out):
     import torch
 
     cfg, trainer = _trainer(world, setup, tools_yaml, run_dir,
-                            TP2_PP2 + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
-    assert (trainer.actor.tp, trainer.actor.pp) == (2, 2)
+                            TP2_PP2 + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                       "actor_rollout_ref.model.use_remove_padding=true"])
+    assert (trainer.actor.tp, trainer.actor.pp, trainer.actor.pack_sequences) == (2, 2, True)
     assert trainer.engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     report = _first_batch(cfg, trainer)
     Path(f"{out}.{rank}").write_text(json.dumps(report))
@@ -278,9 +279,10 @@ def _first_batch_reports(tmp_path, worker, world):
 def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
     """The same batch check with the actor at TP2 x PP2 on 4 processes and vLLM at TP2 (two
     replicas of two ranks; each replica's first rank runs the tools for both) (GRPO, no critic;
-    no training): megatron's log-probs, gathered across tensor-parallel vocabulary shards and sent
-    from the last pipeline stage to every rank, equal the engine's on every model token, and
-    every rank holds the same batch."""
+    no training), its micro-batches packed (use_remove_padding: each conversation, tool turns
+    included, one segment of a row): megatron's log-probs, gathered across tensor-parallel
+    vocabulary shards and sent from the last pipeline stage to every rank, equal the engine's on
+    every model token, and every rank holds the same batch."""
     reports = _first_batch_reports(tmp_path, _run_tp2_pp2, 4)
     for r in reports:
         _check_first_batch(r)

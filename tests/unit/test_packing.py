@@ -93,11 +93,33 @@ def test_packed_next_token_path_equals_the_padded_one(align, multi_turn):
         assert (results[1][0][batch.response_mask == 1] != 0).all()
 
 
-def test_packing_needs_transformer_engine(capsys):
-    from megappo.builders import packing
+def test_packing_needs_an_attention_that_takes_packed_sequences(capsys):
+    """TransformerEngine's spec, or megappo's SdpaCoreAttention in every layer of the local spec;
+    megatron's DotProductAttention (where the local spec keeps it) takes none."""
+    from types import SimpleNamespace
 
+    from megappo.builders import packing
+    from megappo.models import SdpaCoreAttention
+
+    def model(*attention):
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleList()
+        for a in attention:
+            layer = torch.nn.Module()
+            layer.core_attention = a
+            m.layers.append(layer)
+        return [m]
+
+    sdpa = lambda: SdpaCoreAttention(SimpleNamespace(kv_channels=8, context_parallel_size=1))   # noqa: E731
+    for chunks in ([torch.nn.Linear(2, 2)], model(sdpa(), torch.nn.Identity())):
+        assert packing(True, chunks, "actor_rollout_ref.model.use_remove_padding") is False
+        out = capsys.readouterr().out
+        assert "use_remove_padding=true needs an attention that takes packed sequences" in out
+        assert "so its micro-batches stay padded" in out
+    chunks = model(sdpa(), sdpa())
+    assert packing(True, chunks, "x") is True and packing(False, chunks, "x") is False
+    assert packing(True, chunks, "x", cp=2) is False
+    assert "x=true is not built with context parallelism (context_parallel_size 2)" in capsys.readouterr().out
     chunks = [torch.nn.Linear(2, 2)]
-    assert packing(True, chunks, "actor_rollout_ref.model.use_remove_padding") is False
-    assert "use_remove_padding=true needs TransformerEngine's layer spec" in capsys.readouterr().out
     chunks[0].megappo_te_spec = True
     assert packing(True, chunks, "x") is True and packing(False, chunks, "x") is False

@@ -76,6 +76,15 @@ def uses_te(chunks) -> bool:
     return any(getattr(c, "megappo_te_spec", False) for c in chunks)
 
 
+def packs_sequences(chunks) -> bool:
+    """Whether model chunks' attention takes packed sequences (THD, megatron's PackedSeqParams):
+    TransformerEngine's, or :class:`SdpaCoreAttention` in every layer of the local spec."""
+    if uses_te(chunks):
+        return True
+    attention = [m for c in chunks for name, m in c.named_modules() if name.endswith("core_attention")]
+    return bool(attention) and all(isinstance(m, SdpaCoreAttention) for m in attention)
+
+
 def te_available() -> bool:
     """Whether megatron itself can use TransformerEngine. A broken TE install still imports
     (its ``__init__`` swallows the error) while megatron's own import of TE's pieces fails and
@@ -124,11 +133,13 @@ class SdpaCoreAttention(torch.nn.Module):
         from megatron.core.transformer.enums import AttnMaskType
 
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SdpaCoreAttention: an explicit attention mask, bias or packed sequences need "
-                             "megatron's DotProductAttention or TransformerEngine's (megappo passes none)")
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("SdpaCoreAttention: an explicit attention mask or bias needs megatron's "
+                             "DotProductAttention or TransformerEngine's (megappo passes none)")
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"SdpaCoreAttention: attention mask type {mask_type} without a mask tensor")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, mask_type == AttnMaskType.causal)
         causal, mask = mask_type == AttnMaskType.causal, None
         if self.cp > 1:
             # Context parallelism (megappo.models.context_parallel's layout): this rank's
@@ -145,6 +156,25 @@ class SdpaCoreAttention(torch.nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _packed(self, query, key, value, params, causal: bool) -> torch.Tensor:
+        """Packed sequences (THD: q [t, heads, d], k/v [t, groups, d], the sequences end to end as
+        ``params.cu_seqlens_q_padded`` marks them): each sequence attends within itself, one
+        kernel call per sequence (no [t, t] mask: on a GPU without TransformerEngine a packed
+        micro-batch of 24k tokens would need a 0.6 GB mask per layer)."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SdpaCoreAttention: packed sequences in format {params.qkv_format!r}; megappo packs 'thd'")
+        if self.cp > 1:
+            raise ValueError("SdpaCoreAttention: packed sequences with context parallelism are not built")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = cu.tolist()
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[a:b].permute(1, 0, 2)[None] for x in (query, key, value))   # [1, heads, s, d]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
+            outs.append(out[0].permute(1, 0, 2))
+        return torch.cat(outs).reshape(query.shape[0], 1, -1)
 
     def _cp_causal_mask(self, seq_len: int, device) -> torch.Tensor:
         """[s_local, S] True where this rank's query may attend to a key: at or before its

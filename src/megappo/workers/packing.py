@@ -5,11 +5,13 @@ A padded micro-batch is ``(B, S)`` token ids with each row's real length; packed
 ``(1, T)`` with T = sum of the lengths, each rounded up to ``align`` (the TP size under sequence
 parallelism: megatron splits the packed row over TP ranks). ``cu_seqlens`` marks where each
 sequence starts; positions restart at 0 in each; attention (TransformerEngine's THD kernels via
-megatron's ``PackedSeqParams``) stays inside a sequence. The padding of a sequence comes after
-its real tokens, so causal attention keeps it out of every real token's output.
+megatron's ``PackedSeqParams``, or megappo's SdpaCoreAttention on the local spec: the CPU) stays
+inside a sequence. The padding of a sequence comes after its real tokens, so causal attention
+keeps it out of every real token's output.
 
-Pure tensor code: ``pack`` and ``Packed.rows`` are tested on CPU; the packed forward itself needs
-TransformerEngine (a ``gpu`` test compares it with the padded one).
+Pure tensor code, tested on CPU by hand; the packed forward and update on CPU equal the padded
+ones (tests/distributed/test_workers.py, the trainer in tests/e2e/test_context_parallel_run.py);
+on TransformerEngine a ``gpu`` test compares them.
 """
 from __future__ import annotations
 
