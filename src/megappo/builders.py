@@ -156,20 +156,18 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
                 lr_decay_steps=total_steps, lr_decay_style=o.lr_decay_style, min_lr=o.min_lr)
 
 
-def packing(requested: bool, chunks, key: Optional[str], cp: int = 1) -> bool:
+def packing(requested: bool, chunks, key: Optional[str]) -> bool:
     """Whether a role packs its micro-batches: use_remove_padding and an attention that takes
-    packed sequences (THD: TransformerEngine's, or megappo's in the local spec), without context
-    parallelism (packed sequences split over CP ranks are not built yet). Requested where it
-    cannot be, it is said once and ignored: padded micro-batches compute the same numbers."""
+    packed sequences (THD: TransformerEngine's, or megappo's in the local spec; with context
+    parallelism too). Requested where it cannot be, it is said once and ignored: padded
+    micro-batches compute the same numbers."""
     from megappo.models import packs_sequences
 
-    why = ("needs an attention that takes packed sequences (TransformerEngine's, or megappo's where the local "
-           "spec can use it: no sliding window, attention sink or dropout); this model has megatron's "
-           "DotProductAttention" if not packs_sequences(chunks)
-           else f"is not built with context parallelism (context_parallel_size {cp})" if cp > 1 else "")
-    if requested and why:
+    if requested and not packs_sequences(chunks):
         if key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            print(f"megappo: {key}=true {why}, so its micro-batches stay padded", flush=True)
+            print(f"megappo: {key}=true needs an attention that takes packed sequences (TransformerEngine's, or "
+                  "megappo's where the local spec can use it: no sliding window, attention sink or dropout); this "
+                  "model has megatron's DotProductAttention, so its micro-batches stay padded", flush=True)
         return False
     return requested
 
@@ -193,8 +191,7 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
     _set_offload(actor, arr.actor.megatron)
-    actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding",
-                                  arr.actor.megatron.context_parallel_size)
+    actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding")
     return info, actor
 
 
@@ -215,7 +212,7 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int, actor=Non
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
     ref.set_offload(params=arr.ref.megatron.param_offload)
     # (use_remove_padding is the actor's model section's)
-    ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None, arr.ref.megatron.context_parallel_size)
+    ref.pack_sequences = packing(arr.model.use_remove_padding, chunks, None)
     return ref
 
 
@@ -234,8 +231,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id, value_mode=c.value_mode,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
     _set_offload(critic, c.megatron)
-    critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding",
-                                    c.megatron.context_parallel_size)
+    critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding")
     return critic
 
 

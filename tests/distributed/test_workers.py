@@ -95,8 +95,10 @@ def reference(single):
     (2, 1, 2, 2, None, 1, None, False), (2, 1, 1, None, 40, 1, None, False), (2, 1, 1, 2, None, 2, None, False),
     (4, 2, 1, 1, None, 2, None, False), (4, 1, 2, None, 40, 2, 2, False),
     (2, 1, 1, 2, None, 1, None, True), (2, 2, 1, 2, None, 1, None, True), (4, 1, 2, None, 40, 1, 2, True),
+    (2, 1, 1, 2, None, 2, None, True), (4, 2, 1, 1, None, 2, None, True), (4, 1, 2, None, 40, 2, 2, True),
 ], ids=["TP2PP2", "DP2", "TP2", "PP2", "DP2-token-budget", "CP2", "TP2CP2", "PP2VPP2CP2-token-budget",
-        "DP2-packed", "TP2-packed", "PP2VPP2-packed-token-budget"])
+        "DP2-packed", "TP2-packed", "PP2VPP2-packed-token-budget", "CP2-packed", "TP2CP2-packed",
+        "PP2VPP2CP2-packed-token-budget"])
 def test_one_ppo_update_is_layout_invariant(model_dir, reference, tmp_path, world, tp, pp, micro, max_tokens, cp, vpp,
                                             packed):
     """Packed cases (use_remove_padding: the sequences of a micro-batch end to end in one row,

@@ -165,8 +165,9 @@ def _run_tp2_pp2(rank, world, setup, tools_yaml, run_dir, out):
 def _run_cp2(rank, world, setup, tools_yaml, run_dir, out):
     import torch
 
-    cfg, trainer = _trainer(world, setup, tools_yaml, run_dir, [f"{A}megatron.context_parallel_size=2"])
-    assert (trainer.actor.cp, trainer.actor.dp) == (2, 1)
+    cfg, trainer = _trainer(world, setup, tools_yaml, run_dir, [f"{A}megatron.context_parallel_size=2",
+                                                                "actor_rollout_ref.model.use_remove_padding=true"])
+    assert (trainer.actor.cp, trainer.actor.dp, trainer.actor.pack_sequences) == (2, 1, True)
     Path(f"{out}.{rank}").write_text(json.dumps(_first_batch(cfg, trainer)))
     torch.distributed.barrier()
 
@@ -291,9 +292,10 @@ def test_multi_turn_log_probs_at_tp2_pp2(tmp_path):
 
 @pytest.mark.e2e
 def test_multi_turn_log_probs_at_cp2(tmp_path):
-    """The same batch check with the actor at CP2 (each rank holds half of every conversation,
-    tool turns included): megatron's log-probs, gathered over the context-parallel ranks, equal
-    the engine's on every model token, on both ranks."""
+    """The same batch check with the actor at CP2, its micro-batches packed (as verl's multi-turn
+    command sets them: each rank holds two chunks of every conversation of a packed row, tool
+    turns included): megatron's log-probs, gathered over the context-parallel ranks, equal the
+    engine's on every model token, on both ranks."""
     reports = _first_batch_reports(tmp_path, _run_cp2, 2)
     for r in reports:
         _check_first_batch(r)

@@ -304,18 +304,18 @@ def check_actor_log_probs(root, device: torch.device, dtype: torch.dtype, use_te
         (fig["logprob_max_abs_diff_micro_vs_token_budget"] < 0.05, "micro-batch split changes the log-probs")])
 
 
-def check_packed_log_probs(root, device: torch.device, dtype: torch.dtype) -> dict:
-    """Sequence packing (use_remove_padding, THD on TransformerEngine's spec): the packed
-    forward's log-probs, values and one update's losses equal the padded path's within bf16
-    rounding (the packed GEMMs have other shapes), and the packed pass computes fewer tokens."""
+def check_packed_log_probs(root, device: torch.device, dtype: torch.dtype, use_te: bool = True) -> dict:
+    """Sequence packing (use_remove_padding, THD: TransformerEngine's attention, or megappo's on
+    the local spec): the packed forward's log-probs and values equal the padded path's within
+    bf16 rounding (the packed GEMMs have other shapes), and the packed pass computes fewer tokens."""
     import time
 
     dirs = model_dirs(root)
     batch = make_batch(0)
     out = {}
     for packed in (False, True):
-        actor = make_actor(dirs["policy"], device, dtype, True)
-        critic = make_critic(dirs["policy"], device, dtype, True)
+        actor = make_actor(dirs["policy"], device, dtype, use_te)
+        critic = make_critic(dirs["policy"], device, dtype, use_te)
         actor.pack_sequences = critic.pack_sequences = packed
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -326,7 +326,7 @@ def check_packed_log_probs(root, device: torch.device, dtype: torch.dtype) -> di
     d_lp = (_masked(out[True]["lp"], m) - _masked(out[False]["lp"], m)).abs()
     d_v = (_masked(out[True]["values"], m) - _masked(out[False]["values"], m)).abs()
     tokens = int((batch.prompt_lengths + m.sum(-1)).sum())
-    fig = {"check": "packed_log_probs", "spec": "te", "dtype": str(dtype).split(".")[-1],
+    fig = {"check": "packed_log_probs", "spec": "te" if use_te else "local", "dtype": str(dtype).split(".")[-1],
            "logprob_max_abs_diff_packed_vs_padded": float(d_lp.max()), "value_max_abs_diff_packed_vs_padded": float(d_v.max()),
            "tokens": tokens, "padded_s": out[False]["s"], "packed_s": out[True]["s"],
            "padded_tokens_per_s": tokens / out[False]["s"], "packed_tokens_per_s": tokens / out[True]["s"]}
@@ -730,6 +730,7 @@ def cpu_check_main(root: str, dtype: torch.dtype = torch.float32) -> None:
     check_checkpoint(root, device, dtype)
     check_hf_export(root, device, dtype, converter=True)
     check_offload(root, device, dtype)
+    check_packed_log_probs(root, device, dtype, use_te=False)
     print("CPU_CHECK_OK")
 
 

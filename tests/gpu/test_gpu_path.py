@@ -79,7 +79,8 @@ def test_offload_round_trip_on_gpu(device, root, spec):
     gpu_checks.check_offload(root, device, BF16, use_te(spec))
 
 
-def test_packed_sequences_match_the_padded_forward_bf16(device, root):
-    """use_remove_padding: THD packing needs TransformerEngine's spec (skipped without it)."""
-    use_te("te")
-    gpu_checks.check_packed_log_probs(root, device, BF16)
+@pytest.mark.parametrize("spec", SPECS)
+def test_packed_sequences_match_the_padded_forward_bf16(device, root, spec):
+    """use_remove_padding: THD packing through TransformerEngine's attention (skipped without
+    it) or megappo's on the local spec."""
+    gpu_checks.check_packed_log_probs(root, device, BF16, use_te(spec))

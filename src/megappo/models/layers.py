@@ -161,18 +161,31 @@ class SdpaCoreAttention(torch.nn.Module):
         """Packed sequences (THD: q [t, heads, d], k/v [t, groups, d], the sequences end to end as
         ``params.cu_seqlens_q_padded`` marks them): each sequence attends within itself, one
         kernel call per sequence (no [t, t] mask: on a GPU without TransformerEngine a packed
-        micro-batch of 24k tokens would need a 0.6 GB mask per layer)."""
+        micro-batch of 24k tokens would need a 0.6 GB mask per layer). Under context
+        parallelism the bounds are the whole row's and this rank holds two chunks of each
+        sequence (:func:`~megappo.models.context_parallel.packed_local_positions`): keys and values
+        are gathered for the row, and each sequence's queries attend to its keys under the
+        causal mask of their positions in it."""
         if params.qkv_format != "thd":
             raise ValueError(f"SdpaCoreAttention: packed sequences in format {params.qkv_format!r}; megappo packs 'thd'")
-        if self.cp > 1:
-            raise ValueError("SdpaCoreAttention: packed sequences with context parallelism are not built")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         bounds = cu.tolist()
-        outs = []
+        if self.cp > 1:
+            from .context_parallel import gather_kv, natural_order, packed_local_positions
+
+            order = natural_order([packed_local_positions(bounds, self.cp, r) for r in range(self.cp)]).to(query.device)
+            key, value = gather_kv(key, self.cp_group, order), gather_kv(value, self.cp_group, order)
+        outs, held = [], 0
         for a, b in zip(bounds[:-1], bounds[1:]):
-            q, k, v = (x[a:b].permute(1, 0, 2)[None] for x in (query, key, value))   # [1, heads, s, d]
+            n = (b - a) // self.cp        # this rank's tokens of the sequence
+            q = query[held:held + n].permute(1, 0, 2)[None]    # [1, heads, n, d]
+            k, v = (x[a:b].permute(1, 0, 2)[None] for x in (key, value))
+            held += n
+            mask, is_causal = None, causal
+            if causal and self.cp > 1:
+                mask, is_causal = self._cp_causal_mask(b - a, query.device), False
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
             outs.append(out[0].permute(1, 0, 2))
         return torch.cat(outs).reshape(query.shape[0], 1, -1)
 

@@ -123,9 +123,6 @@ class MegatronWorker:
 
         pad = (self.tp if self.config.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
         if self.pack_sequences:
-            if self.cp > 1:
-                raise ValueError("sequence packing with context parallelism needs TransformerEngine's packed "
-                                 "attention per CP rank, which megappo does not drive yet")
             seqs = self._pack(micro_batches, pad)
         else:
             seqs = [_pad_seq(mb.input_ids, pad, self.pad_token_id) for mb in micro_batches]
@@ -134,7 +131,10 @@ class MegatronWorker:
         def forward_step(data_iterator, model):
             mb, ids = self._to_device(*next(data_iterator))
             if isinstance(ids, Packed):
-                out = model(ids.ids, ids.position_ids, attention_mask=None, packed_seq_params=ids.params())
+                if self.cp > 1:   # each sequence's two chunks of this rank; the bounds stay the row's
+                    ids = ids.on_cp_rank(self.cp_group)
+                out = model(ids.local(ids.ids), ids.local(ids.position_ids), attention_mask=None,
+                            packed_seq_params=ids.params())
             elif self.cp > 1:
                 held = local_positions(ids.shape[1], self.cp, self.cp_group.rank(), device=ids.device)
                 ids = CPSequence(ids, self.cp_group, held, self.pad_token_id)
@@ -166,8 +166,8 @@ class MegatronWorker:
         """(logits, labels, to_rows) of next-token prediction: the padded layout's positions
         0..S-2, or every packed position, with ``to_rows`` mapping per-position values back to
         the padded (B, S-1) layout."""
-        if isinstance(ids, Packed):
-            return output, ids.next_ids, lambda x: ids.rows(x, ids.width - 1)
+        if isinstance(ids, Packed):   # under CP this rank's positions; gather() joins the row
+            return output, ids.local(ids.next_ids), lambda x: ids.rows(ids.gather(x), ids.width - 1)
         if isinstance(ids, CPSequence):   # this rank's positions; rows() gathers the whole sequence
             return output, ids.next_ids(), lambda x: ids.gather(x)[:, :-1]
         return output[:, :-1], ids[:, 1:], lambda x: x
@@ -275,9 +275,9 @@ class MegatronWorker:
                 outs = self._run(micros, lambda mb, ids, output: _scaled(loss_fn(mb, ids, output), scale),
                                  forward_only=False)
                 grad_norm, _ = self._step()
-                for key in keys:
-                    local = float(sum(o[key] for o in outs)) if self.is_last else 0.0
-                    history[key].append(self._global_sum(local))
+                local = [float(sum(o[key] for o in outs)) if self.is_last else 0.0 for key in keys]
+                for key, total in zip(keys, self._global_sums(local)):
+                    history[key].append(total)
                 history["grad_norm"].append(grad_norm)
 
     def _from_last_stage(self, t: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
@@ -288,11 +288,13 @@ class MegatronWorker:
         dist.broadcast(buf, src=self.last_rank, group=self.pp_group)
         return buf
 
-    def _global_sum(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+    def _global_sums(self, xs: list[float]) -> list[float]:
+        """Each of the last stage's per-rank figures summed over DP, on every stage: one
+        all-reduce for all of them (one per figure cost a mini-batch ~2% of a tiny model's step)."""
+        t = torch.tensor(xs, dtype=torch.float64, device=self.device)
         if self.is_last:
             dist.all_reduce(t, group=self.dp_group)
-        return self._from_last_stage(t, (1,), torch.float64).item()
+        return self._from_last_stage(t, (len(xs),), torch.float64).tolist()
 
     def _step(self) -> tuple[float, bool]:
         ok, grad_norm, _ = self.optimizer.step()
@@ -510,7 +512,7 @@ class RewardModel(Critic):
             end = torch.where(mask > 0, idx, -1).amax(-1)
             per_position = output[..., 0].float()
             if isinstance(ids, Packed):
-                per_position = ids.rows(per_position)
+                per_position = ids.rows(ids.gather(per_position))
             elif isinstance(ids, CPSequence):
                 per_position = ids.gather(per_position)
             last = (mb.prompt_lengths.to(end.device) + end).clamp(min=0, max=per_position.shape[1] - 1)

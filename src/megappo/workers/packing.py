@@ -15,10 +15,12 @@ on TransformerEngine a ``gpu`` test compares them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from megappo.models import gather_positions, natural_order, packed_local_positions
 
 __all__ = ["Packed", "pack"]
 
@@ -32,16 +34,38 @@ class Packed:
     lengths: list[int]          # real length of each of the B rows (a filler segment is not a row)
     width: int                  # S, the padded micro-batch's width (rows() returns this many positions)
     max_seqlen: int             # longest padded sequence
+    # under context parallelism (on_cp_rank): the CP group, the row positions this rank holds
+    # ((T / CP,) long: two chunks of each sequence) and the order that puts the ranks' parts back
+    cp_group: object = None
+    held: Optional[torch.Tensor] = None
+    order: Optional[torch.Tensor] = None
 
     @property
     def starts(self) -> list[int]:
         return self.cu_seqlens[:len(self.lengths)].tolist()
 
     def to(self, device, non_blocking: bool = False) -> "Packed":
-        return Packed(self.ids.to(device, non_blocking=non_blocking),
-                      self.position_ids.to(device, non_blocking=non_blocking),
-                      self.next_ids.to(device, non_blocking=non_blocking),
-                      self.cu_seqlens.to(device, non_blocking=non_blocking), self.lengths, self.width, self.max_seqlen)
+        moved = {k: getattr(self, k).to(device, non_blocking=non_blocking)
+                 for k in ("ids", "position_ids", "next_ids", "cu_seqlens", "held", "order") if getattr(self, k) is not None}
+        return replace(self, **moved)
+
+    def on_cp_rank(self, group) -> "Packed":
+        """This packing as a CP rank of ``group`` holds it: two chunks of every sequence (each a
+        multiple of 2 x CP long: ``pack``'s align), the layout TransformerEngine's THD attention
+        and megatron's THD RoPE read under CP; ``cu_seqlens`` stay the whole row's."""
+        cp, bounds = group.size(), self.cu_seqlens.tolist()
+        held = [packed_local_positions(bounds, cp, r) for r in range(cp)]
+        device = self.ids.device
+        return replace(self, cp_group=group, held=held[group.rank()].to(device), order=natural_order(held).to(device))
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T, ...) per row position -> this rank's positions (all of them without CP)."""
+        return x if self.held is None else x.index_select(1, self.held)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T / CP, ...) at this rank's positions -> (1, T, ...) the whole row on every CP rank
+        (megappo.models.gather_positions: the backward keeps this rank's part)."""
+        return x if self.held is None else gather_positions(x, self.cp_group, self.held, self.order)
 
     def params(self):
         """megatron's PackedSeqParams for the THD kernels."""
