@@ -1,10 +1,10 @@
 """Context parallelism through the trainer: PPO with GAE, a critic and a KL loss at CP2 takes the
 steps of the same run at TP2 (the same world, so the same vLLM replicas and samples): only the
 training layout differs, and with it the order of the sums. The CP2 run runs under the CPU device
-check (MEGAPPO_CHECK_DEVICES=1); the TP2 run packs its sequences (use_remove_padding: each
-micro-batch's sequences end to end in one row, megappo's attention kept within each), so the two
-runs also compare packed with padded micro-batches through the trainer. A CP2 run resumed from its
-step-1 checkpoint repeats step 2."""
+check (MEGAPPO_CHECK_DEVICES=1) and packs its sequences (use_remove_padding: each micro-batch's
+sequences end to end in one row, each CP rank two chunks of every sequence, attention kept within
+each), so the two runs also compare packed with padded micro-batches through the trainer. A CP2
+run resumed from its step-1 checkpoint repeats step 2."""
 import math
 import os
 import sys
@@ -39,7 +39,7 @@ def _worker(rank, world, model, train, run_dir, layout, extra=(), check_devices=
     want_cp = 2 if f"{m}context_parallel_size=2" in layout else 1
     assert ps.get_context_parallel_world_size() == want_cp and ps.get_data_parallel_world_size() == 1
     trainer = PPOTrainer(cfg)
-    packed = "actor_rollout_ref.model.use_remove_padding=true" in layout
+    packed = "actor_rollout_ref.model.use_remove_padding=true" in layout + list(extra)
     assert trainer.actor.pack_sequences == trainer.critic.pack_sequences == trainer.ref.pack_sequences == packed
     trainer.fit()
 
@@ -54,9 +54,8 @@ def test_a_cp2_run_takes_the_tp2_runs_steps(tmp_path):
     p = make_tiny_setup(str(tmp_path / "tiny"))
     m = "actor_rollout_ref.actor.megatron."
     runs = {}
-    for name, layout in (("cp2", [f"{m}context_parallel_size=2"]),
-                         ("tp2", [f"{m}tensor_model_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
-                                  "critic.model.use_remove_padding=true"])):
+    packed = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+    for name, layout in (("cp2", [f"{m}context_parallel_size=2", *packed]), ("tp2", [f"{m}tensor_model_parallel_size=2"])):
         spawn(_worker, 2, p["model"], p["train"], str(tmp_path / name), layout,
               ["trainer.save_freq=1"] if name == "cp2" else [], name == "cp2")
         runs[name] = read_metrics(tmp_path / name)
@@ -75,7 +74,7 @@ def test_a_cp2_run_takes_the_tp2_runs_steps(tmp_path):
     assert cp2[-1]["actor/kl_loss"] > 0   # the policy moved at step 1
     # resumed at CP2 from the step-1 checkpoint (model, Adam state sharded over DP x CP, trainer state)
     resumed = tmp_path / "resumed"
-    spawn(_worker, 2, p["model"], p["train"], str(resumed), [f"{m}context_parallel_size=2"],
+    spawn(_worker, 2, p["model"], p["train"], str(resumed), [f"{m}context_parallel_size=2", *packed],
           [f"trainer.resume_mode={tmp_path / 'cp2' / 'global_step_1'}"])
     again = read_metrics(resumed)
     assert [r["step"] for r in again] == [2]
