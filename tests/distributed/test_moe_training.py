@@ -235,9 +235,10 @@ def test_moe_training_under_expert_parallelism(tp, pp, ep, world_of_4):
     raise_if_failed(world_of_4[(tp, pp, ep)])
 
 
-def _cp_worker(rank, world, path, cp, ep, out_file):
+def _cp_worker(rank, world, path, cp, ep, out_file, packed=False):
     """One PPO update of the MoE actor with both router losses, each sequence split over ``cp``
-    context-parallel ranks and the experts over ``ep`` of them; what it reports on rank 0."""
+    context-parallel ranks and the experts over ``ep`` of them (``packed``: each micro-batch's
+    sequences end to end in one row); what it reports on rank 0."""
     from megappo import megatron_cpu
 
     megatron_cpu.install()
@@ -253,6 +254,7 @@ def _cp_worker(rank, world, path, cp, ep, out_file):
     chunks = build_model(info, cfg)
     load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=0.5, optimizer="sgd", use_distributed_optimizer=False)
+    actor.pack_sequences = packed
     # 12 tokens a sample (a multiple of 2 x CP): no padding token is routed at either layout
     batch = random_batch(4, 21, (6, 7), (6, 7), VOCAB)
     batch.old_log_prob = actor.compute_log_prob(batch, micro_batch_size=2)
@@ -263,21 +265,22 @@ def _cp_worker(rank, world, path, cp, ep, out_file):
 
 
 def test_moe_update_at_cp2_equals_cp1(tmp_path):
-    """Context parallelism on the MoE model, with the experts on one rank and over both (EP2):
-    the log-probs, the losses, the gradient norm, the router's losses and the expert load of one
-    update equal those of one rank holding whole sequences."""
+    """Context parallelism on the MoE model, with the experts on one rank and over both (EP2),
+    and CP2 x EP2 with packed sequences (no token is padding at either layout, so the router sees
+    the same tokens): the log-probs, the losses, the gradient norm, the router's losses and the
+    expert load of one update equal those of one rank holding whole padded sequences."""
     save_tiny_model("qwen3_moe", tmp_path / "moe")
-    runs = {(1, 1): 1, (2, 1): 2, (2, 2): 2}
-    for (cp, ep), world in runs.items():
-        spawn_each(world, [(_cp_worker, (str(tmp_path / "moe"), cp, ep, str(tmp_path / f"{cp}_{ep}.pt")),
-                            str(tmp_path / f"err_{cp}_{ep}"))])
-        raise_if_failed(str(tmp_path / f"err_{cp}_{ep}"))
-    ref = torch.load(tmp_path / "1_1.pt")
+    runs = {(1, 1, False): 1, (2, 1, False): 2, (2, 2, False): 2, (2, 2, True): 2}
+    for (cp, ep, packed), world in runs.items():
+        spawn_each(world, [(_cp_worker, (str(tmp_path / "moe"), cp, ep, str(tmp_path / f"{cp}_{ep}_{packed}.pt"), packed),
+                            str(tmp_path / f"err_{cp}_{ep}_{packed}"))])
+        raise_if_failed(str(tmp_path / f"err_{cp}_{ep}_{packed}"))
+    ref = torch.load(tmp_path / "1_1_False.pt")
     assert (ref["after"] - ref["old"]).abs().max() > 1e-3   # the update moved the policy
-    for cp, ep in ((2, 1), (2, 2)):
-        got = torch.load(tmp_path / f"{cp}_{ep}.pt")
-        assert (got["old"] - ref["old"]).abs().max() < 1e-5, (cp, ep)
-        assert (got["after"] - ref["after"]).abs().max() < 1e-4, (cp, ep)
+    for cp, ep, packed in ((2, 1, False), (2, 2, False), (2, 2, True)):
+        got = torch.load(tmp_path / f"{cp}_{ep}_{packed}.pt")
+        assert (got["old"] - ref["old"]).abs().max() < 1e-5, (cp, ep, packed)
+        assert (got["after"] - ref["after"]).abs().max() < 1e-4, (cp, ep, packed)
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/moe_aux_loss", "actor/moe_z_loss",
                     "actor/moe_expert_load_max", "actor/moe_expert_load_min"):
-            assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), (cp, ep, key)
+            assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), (cp, ep, packed, key)
