@@ -246,7 +246,9 @@ def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokeni
     if info.desc.vocab_size < len(tokenizer):
         raise ValueError(f"reward_model.model.path: its vocabulary ({info.desc.vocab_size}) is smaller than "
                          f"the actor tokenizer's ({len(tokenizer)}); the reward model must share it")
-    return RewardModel(chunks, tcfg, device=device, pad_token_id=pad_id)
+    model = RewardModel(chunks, tcfg, device=device, pad_token_id=pad_id)
+    model.pack_sequences = packing(rm.model.use_remove_padding, chunks, "reward_model.model.use_remove_padding")
+    return model
 
 
 def loss_specs(cfg: PPOConfig):

@@ -29,20 +29,22 @@ def _multi_turn_batch():
     return b
 
 
-def _worker(rank, world, tp, pp, path, out_file, cp=1):
+def _worker(rank, world, tp, pp, path, out_file, cp=1, packed=False):
     setup(tp, pp, cp=cp)
     from megappo.workers import RewardModel
 
     info, cfg, chunks = build(path, tp, pp, value_head=True, cp=cp)
     rm = RewardModel(chunks, cfg)
+    rm.pack_sequences = packed
     scores = rm.compute_scores(_global_batch(), micro_batch_size=4)
     turns = rm.compute_scores(_multi_turn_batch(), micro_batch_size=4)
     if rank == 0:
         torch.save((scores, turns), out_file)
 
 
-@pytest.mark.parametrize("tp, pp, cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["TP2", "PP2", "CP2"])
-def test_reward_model_scores_equal_transformers(tmp_path, tp, pp, cp):
+@pytest.mark.parametrize("tp, pp, cp, packed", [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True),
+                                               (1, 1, 2, True)], ids=["TP2", "PP2", "CP2", "TP2-packed", "CP2-packed"])
+def test_reward_model_scores_equal_transformers(tmp_path, tp, pp, cp, packed):
     from transformers import AutoModelForTokenClassification
 
     torch.manual_seed(4)
@@ -54,7 +56,7 @@ def test_reward_model_scores_equal_transformers(tmp_path, tp, pp, cp):
     hf.save_pretrained(str(tmp_path / "rm"), safe_serialization=True)
 
     out = str(tmp_path / "s.pt")
-    spawn(_worker, tp * pp * cp, tp, pp, str(tmp_path / "rm"), out, cp)
+    spawn(_worker, tp * pp * cp, tp, pp, str(tmp_path / "rm"), out, cp, packed)
     got, got_turns = torch.load(out)
 
     batch = _global_batch()

@@ -169,16 +169,21 @@ def _rm_worker(rank, world, model, rm, train, run_dir):
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
                        "reward_model.enable=true", f"reward_model.model.path={rm}", "algorithm.adv_estimator=grpo",
                        "actor_rollout_ref.rollout.n=4", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
-                       "trainer.save_freq=-1", "trainer.test_freq=-1"], ["tiny_cpu"])
+                       "trainer.save_freq=-1", "trainer.test_freq=-1", "reward_model.model.use_remove_padding=true"],
+                      ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
-    PPOTrainer(cfg).fit(2)
+    trainer = PPOTrainer(cfg)
+    assert trainer.reward_model.pack_sequences and not trainer.actor.pack_sequences
+    trainer.fit(2)
 
 
 @pytest.mark.e2e
 def test_reward_model_replaces_the_rule_reward(tmp_path):
-    """reward_model.enable: every response is scored by the model. The head is set to a constant
-    (zero weight, bias 0.75), so every score must be exactly 0.75 -- the echo rule would give 0/1."""
+    """reward_model.enable: every response is scored by the model, on packed micro-batches
+    (reward_model.model.use_remove_padding; the scores' numbers against transformers':
+    tests/distributed/test_reward_model.py). The head is set to a constant (zero weight, bias
+    0.75), so every score must be exactly 0.75 -- the echo rule would give 0/1."""
     import torch
     from harness import spawn
     from transformers import AutoConfig, AutoModelForTokenClassification

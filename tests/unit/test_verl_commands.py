@@ -145,6 +145,7 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("actor_rollout_ref.model.enable_gradient_checkpointing=True", None, None),     # settings
     ("actor_rollout_ref.model.enable_gradient_checkpointing=False", None, None),
     ("actor_rollout_ref.model.use_remove_padding=True", None, None),   # a setting
+    ("reward_model.model.use_remove_padding=True", None, None),
     ("actor_rollout_ref.actor.megatron.param_offload=True", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform", None, None),
     ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "error",

@@ -329,6 +329,7 @@ class AlgorithmConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token- or sequence-classification model with one label (the critic export layout, or a hub reward model), same tokenizer as the actor.")
+    use_remove_padding: bool = _f(False, "As actor_rollout_ref.model.use_remove_padding, for the reward model's pass.")
 
 
 @dataclass
