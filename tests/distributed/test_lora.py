@@ -235,9 +235,10 @@ def test_lora_update_trains_only_adapters_equal_on_every_layout(tmp_path):
         assert diff < 1e-4 * moved, (tp, sp, rc, diff)
 
 
-def _cp_worker(rank, world, cp, path, tensors_file, out_file):
+def _cp_worker(rank, world, cp, path, tensors_file, out_file, packed=False):
     """One PPO update of a LoRA actor (the trainer's worker, its DDP and optimizer hold only the
-    adapters) with each sequence split over ``cp`` context-parallel ranks."""
+    adapters) with each sequence split over ``cp`` context-parallel ranks (``packed``: each
+    micro-batch's sequences end to end in one row)."""
     setup(1, 1, cp=cp)
     from megappo.convert import load_hf_weights
     from megappo.layout import RankCoords
@@ -254,6 +255,7 @@ def _cp_worker(rank, world, cp, path, tensors_file, out_file):
     load_lora_tensors(chunks, torch.load(tensors_file))
     actor = Actor(chunks, cfg, vocab_size=info.desc.vocab_size, lr=10.0, clip_grad=1e-3, optimizer="sgd",
                   use_distributed_optimizer=False)
+    actor.pack_sequences = packed
     batch = random_batch(4, 5, (5, 13), (3, 11), VOCAB)
     batch.old_log_prob = actor.compute_log_prob(batch, 2)
     actor.update_policy(batch, mini_batch_size=4, micro_batch_size=2)
@@ -262,20 +264,24 @@ def _cp_worker(rank, world, cp, path, tensors_file, out_file):
 
 
 def test_lora_update_at_cp2_equals_cp1(tmp_path):
-    """Context parallelism under LoRA: the log-probs and the adapters after one clipped SGD step
-    at CP2 are those of CP1 (the base weights frozen, the gradient norm over the adapters)."""
+    """Context parallelism under LoRA, padded and packed: the log-probs and the adapters after
+    one clipped SGD step at CP2 are those of CP1 (the base weights frozen, the gradient norm over
+    the adapters)."""
     path = str(tmp_path / "model")
     save_tiny_model("qwen3", path)
     _, tensors, _ = _peft_reference(path, "all-linear", seed=7)
     torch.save(tensors, tmp_path / "tensors.pt")
-    for cp in (1, 2):
-        spawn_each(cp, [(_cp_worker, (cp, path, str(tmp_path / "tensors.pt"), str(tmp_path / f"cp{cp}.pt")),
-                         str(tmp_path / f"err{cp}"))])
-        raise_if_failed(str(tmp_path / f"err{cp}"))
-    one, two = torch.load(tmp_path / "cp1.pt"), torch.load(tmp_path / "cp2.pt")
-    assert (one["old"] - two["old"]).abs().max() < 1e-5
+    for cp, packed in ((1, False), (2, False), (2, True)):
+        name = f"cp{cp}{'_packed' if packed else ''}"
+        spawn_each(cp, [(_cp_worker, (cp, path, str(tmp_path / "tensors.pt"), str(tmp_path / f"{name}.pt"), packed),
+                         str(tmp_path / f"err_{name}"))])
+        raise_if_failed(str(tmp_path / f"err_{name}"))
+    one = torch.load(tmp_path / "cp1.pt")
     moved = max((one["adapters"][n] - tensors[n]).abs().max().item() for n in tensors)
     assert moved > 1e-4, moved   # the step (norm lr x 1e-3 over all adapters) changed them
-    diff = max((one["adapters"][n] - two["adapters"][n]).abs().max().item() for n in tensors)
-    print(f"CP2: adapters after one step differ from CP1's by at most {diff:.2e} (moved up to {moved:.2e})")
-    assert diff < 1e-3 * moved, (diff, moved)
+    for name in ("cp2", "cp2_packed"):
+        two = torch.load(tmp_path / f"{name}.pt")
+        assert (one["old"] - two["old"]).abs().max() < 1e-5, name
+        diff = max((one["adapters"][n] - two["adapters"][n]).abs().max().item() for n in tensors)
+        print(f"{name}: adapters after one step differ from CP1's by at most {diff:.2e} (moved up to {moved:.2e})")
+        assert diff < 1e-3 * moved, (name, diff, moved)
