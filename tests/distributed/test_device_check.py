@@ -154,14 +154,14 @@ def _planted_worker(rank, world, path):
         _raises(lambda: actor.update_policy(batch, mini_batch_size=4, micro_batch_size=2), "gather")
 
     # 2a. CPU tensors in the worker's own collectives (NCCL groups on GPU).
-    def old_global_sum(self, x):
+    def host_global_sums(self, xs):
         import torch.distributed as dist
 
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor(xs, dtype=torch.float64)
         dist.all_reduce(t, group=self.dp_group)
-        return t.item()
+        return t.tolist()
 
-    with mock.patch.object(MegatronWorker, "_global_sum", old_global_sum):
+    with mock.patch.object(MegatronWorker, "_global_sums", host_global_sums):
         _raises(lambda: actor.update_policy(batch, mini_batch_size=4, micro_batch_size=2), "all_reduce")
     # 2b. the trainer's host-side math (advantages, KL controller, metrics) on megatron's NCCL group
     dev_dp = ps.get_data_parallel_group()
