@@ -1,7 +1,7 @@
 """PPO on a tiny Qwen3-MoE end to end: the trainer at TP2 x EP2 on 4 CPU processes
 (actor, reference and critic on the MoE backbone, vLLM TP2 receiving the experts every step), a
 checkpoint at step 2, and a run resumed from it whose step 3 repeats the uninterrupted run's; all
-under the CPU device check."""
+under the CPU device check. The same at CP2 x EP2 (over DP2) with packed sequences."""
 import json
 import shutil
 import sys
@@ -43,8 +43,13 @@ def _rows(run_dir):
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+CP2_PACKED = [A + "megatron.tensor_model_parallel_size=1", A + "megatron.context_parallel_size=2",
+              "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+
+
 @pytest.mark.e2e
-def test_ppo_on_moe_at_tp2_ep2_with_resume(tmp_path):
+@pytest.mark.parametrize("layout", [[], CP2_PACKED], ids=["TP2xEP2", "CP2xEP2-packed"])
+def test_ppo_on_moe_with_resume(tmp_path, layout):
     from harness import spawn
 
     from megappo.data.tiny import make_tiny_setup
@@ -53,7 +58,7 @@ def test_ppo_on_moe_at_tp2_ep2_with_resume(tmp_path):
     # the critic's correction) is not 0 everywhere and the actor moves from the first step
     setup = make_tiny_setup(str(tmp_path / "tiny"), n_train=64, n_test=8, arch="qwen3_moe", task="words")
     run = tmp_path / "straight"
-    spawn(_run, 4, setup, str(run), 3, [])
+    spawn(_run, 4, setup, str(run), 3, layout)
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:   # router losses and expert load reported; the critic (GAE) and the reference ran on it
@@ -71,7 +76,7 @@ def test_ppo_on_moe_at_tp2_ep2_with_resume(tmp_path):
     shutil.copytree(run / "global_step_2", resumed / "global_step_2")
     (resumed / "latest").write_text("2")
     (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
-    spawn(_run, 4, setup, str(resumed), 3, ["trainer.resume_mode=auto"])
+    spawn(_run, 4, setup, str(resumed), 3, layout + ["trainer.resume_mode=auto"])
     again = _rows(resumed)
     assert [r["step"] for r in again] == [1, 2, 3]
 
