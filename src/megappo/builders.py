@@ -40,12 +40,16 @@ def build_engine(cfg: PPOConfig):
 
 def engine_lora_rank(cfg: PPOConfig) -> int:
     """The rank of the adapters the engine serves: the actor's LoRA rank, or 0 (no adapters:
-    full weights, or a rank vLLM cannot serve, synced merged; see megappo.sync)."""
-    from megappo.models import lora_spec_from_config
+    full weights, or adapters synced merged; see megappo.sync). Merged: a rank vLLM cannot serve,
+    and Mixture-of-Experts models (vLLM's LoRA swaps the experts' method for one whose in-place
+    weight reload megappo has not verified; its checks refuse it)."""
+    from megappo.models import load_hf_config, lora_spec_from_config
     from megappo.rollout import VLLM_MAX_LORA_RANK
 
     spec = lora_spec_from_config(cfg.actor_rollout_ref.model)
-    return spec.rank if spec is not None and spec.rank <= VLLM_MAX_LORA_RANK else 0
+    if spec is None or spec.rank > VLLM_MAX_LORA_RANK:
+        return 0
+    return 0 if getattr(load_hf_config(cfg.actor_rollout_ref.model.path), "num_experts", 0) else spec.rank
 
 
 def enforce_eager(cfg: PPOConfig) -> bool:

@@ -1,6 +1,7 @@
 """LoRA adapters on megatron models (megappo.models.lora) compute what PEFT's LoRA computes on the
 transformers model: the same log-probs and the same adapter gradients, no gradient on the base
-weights; at TP1, TP2 (with and without sequence parallelism) and TP2 x PP2 (gloo, spawned).
+weights; at TP1, TP2 (with and without sequence parallelism) and TP2 x PP2 (gloo, spawned); the attention's adapters on a
+Mixture-of-Experts model (experts and router frozen) at TP1, TP2 and EP2.
 
 PEFT starts B at zero; the tests give every adapter tensor random non-zero values first, so the
 fused-QKV / gate-up placement, the scaling and the TP reductions all show in the numbers."""
@@ -58,8 +59,8 @@ def _peft_reference(path, targets, seed):
     return lp.detach(), tensors, grads
 
 
-def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file):
-    setup(tp, pp)
+def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file, ep=None):
+    setup(tp, pp, ep=ep)
     from megatron.core import parallel_state as ps
 
     from megappo.distributed import log_probs_from_logits
@@ -67,7 +68,7 @@ def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file):
                                 set_lora_enabled)
 
     tp_group = ps.get_tensor_model_parallel_group()
-    info, cfg, chunks = build(path, tp, pp, sp=sp)
+    info, cfg, chunks = build(path, tp, pp, sp=sp, ep=ep or 1)
     ids, weights = _batch()
 
     def run(backward):
@@ -82,7 +83,11 @@ def _worker(rank, world, tp, pp, sp, path, case, tensors_file, out_file):
             return run_schedule(chunks, [ids], loss)
 
     base = run(False)
-    apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, tuple(lora_targets(CASES[case]))))
+    if case == "moe":   # refused before anything is frozen
+        with pytest.raises(LoRAError, match="gate_proj, up_proj, down_proj: on a Mixture-of-Experts model LoRA adapts "
+                                            "the attention only"):
+            apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, tuple(lora_targets("all-linear"))))
+    apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, tuple(lora_targets(CASES.get(case, MOE_TARGETS)))))
     fresh = run(False)   # B starts at zero: exactly the base model
     with pytest.raises(LoRAError, match="has adapters already"):
         apply_lora(chunks, info.desc, LoRASpec(RANK, ALPHA, ("q_proj",)))
@@ -285,3 +290,36 @@ def test_lora_update_at_cp2_equals_cp1(tmp_path):
         diff = max((one["adapters"][n] - two["adapters"][n]).abs().max().item() for n in tensors)
         print(f"{name}: adapters after one step differ from CP1's by at most {diff:.2e} (moved up to {moved:.2e})")
         assert diff < 1e-3 * moved, (name, diff, moved)
+
+
+MOE_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+MOE_LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)]}   # world -> (TP, EP)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """The attention's adapters on the tiny Qwen3-MoE (layer 0 dense, the others 4 experts):
+    PEFT's reference, and megatron's at TP1, TP2 and EP2."""
+    root = tmp_path_factory.mktemp("lora_moe")
+    path = str(root / "moe")
+    save_tiny_model("qwen3_moe", path)
+    lp, tensors, grads = _peft_reference(path, MOE_TARGETS, seed=200)
+    torch.save(tensors, root / "tensors.pt")
+    results = {}
+    for world, layouts in MOE_LAYOUTS.items():
+        calls = []
+        for tp, ep in layouts:
+            results[(tp, ep)] = (str(root / f"out_{tp}_{ep}.pt"), str(root / f"err_{tp}_{ep}"))
+            calls.append((_worker, (tp, 1, tp > 1, path, "moe", str(root / "tensors.pt"), results[(tp, ep)][0], ep),
+                          results[(tp, ep)][1]))
+        spawn_each(world, calls)
+    return {"moe": (lp, tensors, grads)}, results
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2sp", "ep2"])
+def test_lora_on_moe_equals_peft(moe_runs, tp, ep):
+    """Gradients reach the attention's adapters through the frozen router and experts as in
+    transformers' model; an MLP module is refused, named."""
+    refs, results = moe_runs
+    got = _compare(refs, {(tp, 1, tp > 1, "moe"): results[(tp, ep)]}, (tp, 1, tp > 1, "moe"))
+    assert len(got["grads"]) == 4 * 4 * 2   # 4 layers x q, k, v, o x A, B

@@ -1,7 +1,9 @@
 """PPO on a tiny Qwen3-MoE end to end: the trainer at TP2 x EP2 on 4 CPU processes
 (actor, reference and critic on the MoE backbone, vLLM TP2 receiving the experts every step), a
 checkpoint at step 2, and a run resumed from it whose step 3 repeats the uninterrupted run's; all
-under the CPU device check. The same at CP2 x EP2 (over DP2) with packed sequences."""
+under the CPU device check. The same at CP2 x EP2 (over DP2) with packed sequences, and at TP2 x
+EP2 with LoRA adapters on the attention of actor and critic (the engines get the merged weights
+every step)."""
 import json
 import shutil
 import sys
@@ -43,12 +45,57 @@ def _rows(run_dir):
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def _adapters_only(step_dir, rows, model):
+    """A LoRA run on the MoE model: the checkpoints hold adapters (and the critic's value head)
+    only, every sync sends the whole model with the adapters merged in, and the reference is the
+    base (a KL once the adapters moved)."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file
+
+    for role, trained in (("actor", ("lora_",)), ("critic", ("lora_", "output_layer"))):
+        keys = [k for k in dist_checkpointing.load_tensors_metadata(str(step_dir / role)) if not k.startswith("optimizer")]
+        assert keys and all(any(t in k for t in trained) for k in keys), (role, keys[:8])
+        assert any("linear_qkv.lora.lora_B.q_proj" in k for k in keys) and not any("experts" in k for k in keys)
+    full = sum(t.numel() * 4 for t in load_file(str(Path(model) / "model.safetensors")).values())
+    assert all(r["rollout/sync_bytes"] == full for r in rows), ([r["rollout/sync_bytes"] for r in rows], full)
+    assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9) and rows[-1]["actor/kl_loss"] > 1e-6
+
+
+def _converts_to_peft_and_merged(run, out):
+    """The converter's PEFT folder of the MoE run's last checkpoint loads in PEFT on transformers'
+    model, and its merged folder computes the same logits (megappo's merge against PEFT's forward)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megappo.convert.cli import convert_to_hf_main
+
+    for name, extra in (("adapter", []), ("merged", ["--merge"])):
+        assert convert_to_hf_main(["--ckpt", str(run), "--out", str(out / name), "--quiet", *extra]) == 0
+    assert sorted(json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"]) == [
+        "k_proj", "o_proj", "q_proj", "v_proj"]
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32)(ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
+    assert (peft_logits - base_logits).abs().max() > 1e-4   # the trained adapters are in both
+
+
 CP2_PACKED = [A + "megatron.tensor_model_parallel_size=1", A + "megatron.context_parallel_size=2",
               "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
 
 
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16", "critic.model.lora_rank=8",
+        "actor_rollout_ref.model.target_modules=[q_proj, k_proj, v_proj, o_proj]",
+        "critic.model.target_modules=[q_proj, k_proj, v_proj, o_proj]", A + "optim.lr=1e-2"]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", [[], CP2_PACKED], ids=["TP2xEP2", "CP2xEP2-packed"])
+@pytest.mark.parametrize("layout", [[], CP2_PACKED, LORA], ids=["TP2xEP2", "CP2xEP2-packed", "TP2xEP2-LoRA"])
 def test_ppo_on_moe_with_resume(tmp_path, layout):
     from harness import spawn
 
@@ -70,6 +117,9 @@ def test_ppo_on_moe_with_resume(tmp_path, layout):
     assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in rows), [
         r["training/rollout_probs_diff_max"] for r in rows]
     assert (run / "global_step_2" / "actor").is_dir() and (run / "latest").read_text() == "3"   # and the last step
+    if layout is LORA:
+        _adapters_only(run / "global_step_2", rows, setup["model"])
+        _converts_to_peft_and_merged(run, tmp_path / "converted")
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()

@@ -3,7 +3,9 @@ ranks in one job. Synchronous, it trains exactly as the colocated run on 2 ranks
 timings); one-step off-policy (tiny words task), step 1 trains on a batch of the initial weights and every later step
 on a batch of the weights one update behind (training/weight_version_lag, and the engine's
 log-probs drift from the actor's exactly when the lag is 1). In both modes a run resumed from a
-checkpoint (which stores the batch in flight) repeats the uninterrupted run's next step."""
+checkpoint (which stores the batch in flight) repeats the uninterrupted run's next step. A LoRA
+actor's adapters travel over the bridge and the rollout ranks serve them: the run is the colocated
+LoRA run's, metric for metric; where the engines cannot serve adapters the merged weights go."""
 import json
 import shutil
 import sys
@@ -178,3 +180,54 @@ def test_a_training_step_longer_than_the_timeout_does_not_break_the_bridge(tiny)
                    "trainer.watchdog_silence_s=5"], free_port())
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["timing_s/update_actor"] >= 15
+
+
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.actor.optim.lr=1e-2"]
+
+
+def _run_merged(rank, world, setup, run_dir, steps, extra, port):
+    """_run with engines that cannot serve adapters (vLLM's ranks stop at 512): merged weights."""
+    from megappo import builders
+
+    builders.engine_lora_rank = lambda cfg: 0
+    _run(rank, world, setup, run_dir, steps, extra, port)
+
+
+def _model_bytes(model_dir):
+    """Bytes of the HF model's weights in float32 (the CPU engine's dtype)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * 4 for t in load_file(str(Path(model_dir) / "model.safetensors")).values())
+
+
+@pytest.mark.e2e
+def test_split_with_lora_serves_the_adapters_as_colocated(tiny):
+    """The bridge sends the base once and then only the adapters; the rollout ranks' engines serve
+    them: every metric equals the colocated LoRA run's, the engines' log-probs are the actor's,
+    and a run resumed from step 2 (base and adapters sent again) repeats step 3. With engines that
+    cannot serve adapters, each sync sends the merged weights, which the engines' log-probs match."""
+    from harness import free_port, spawn
+
+    from megappo.data.tiny import make_tiny_setup
+
+    root, _ = tiny
+    # words: a random policy scores partly, so the adapters move from the first step
+    setup = make_tiny_setup(str(root / "words_lora"), n_train=64, n_test=8, task="words")
+    spawn(_run, 2, setup, str(root / "colocated_lora"), 3, LORA)
+    spawn(_run, 4, setup, str(root / "split_lora"), 3, SPLIT + LORA, free_port())
+    colocated, split = _rows(root / "colocated_lora"), _rows(root / "split_lora")
+    assert [r["step"] for r in split] == [1, 2, 3]
+    for a, b in zip(colocated, split):
+        assert _stable(a) == _stable(b), sorted(k for k in _stable(a) if _stable(b).get(k) != _stable(a)[k])
+    full = _model_bytes(setup["model"])
+    for r in split:
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r   # the engines serve the actor's adapters
+        assert 0 < r["rollout/sync_bytes"] < 0.2 * full, (r["rollout/sync_bytes"], full)   # adapters only
+    assert split[-1]["actor/grad_norm"] > 0
+    _resume_from_step_2(root / "split_lora", root / "split_lora_resumed", setup, SPLIT + LORA, split)
+
+    spawn(_run_merged, 4, setup, str(root / "split_lora_merged"), 2, SPLIT + LORA, free_port())
+    for r in _rows(root / "split_lora_merged"):
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r
+        assert r["rollout/sync_bytes"] == full, (r["rollout/sync_bytes"], full)   # the merged model, every step

@@ -592,14 +592,12 @@ RULES = [
      "actor_rollout_ref.model.exclude_modules", "unknown module name 'lm_head'; accepted: all-linear, q_proj"),
     (["critic.model.lora_rank=4", "critic.model.target_modules=[linear_qkv, router]"], {}, "critic.model.target_modules",
      "unknown module names 'linear_qkv', 'router'; accepted: all-linear,"),
-    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.hybrid_engine=false"], {}, "actor_rollout_ref.hybrid_engine",
-     "must be true with LoRA (actor_rollout_ref.model.lora_rank > 0 or lora_adapter_path): the split placement's "
-     "bridge sends full weights and its rollout ranks do not serve adapters yet"),
     (GOOD_PATHS + ["actor_rollout_ref.model.lora_adapter_path={tmp}/model"], PATHS, "actor_rollout_ref.model.lora_adapter_path",
      "{tmp}/model: no adapter_config.json (expected a PEFT LoRA adapter folder)"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/moe3", "actor_rollout_ref.model.lora_rank=8"], PATHS,
-     "actor_rollout_ref.model.lora_rank", "LoRA on a Mixture-of-Experts model (actor_rollout_ref.model.path: 3 experts) "
-     "is not supported yet (the experts' linears get no adapters); use 0 (full fine-tuning)"),
+     "actor_rollout_ref.model.target_modules", "must name attention modules only (q_proj, k_proj, v_proj, o_proj) on "
+     "actor_rollout_ref.model.path, a Mixture-of-Experts model (3 experts): megappo does not build adapters for its "
+     "experts and router; got gate_proj, up_proj, down_proj among the modules"),
     # -- multi-turn (the tool files are checked without importing them)
     ([R + "multi_turn.enable=true", "data.return_raw_chat=false"], {}, "data.return_raw_chat",
      "must be true with multi_turn.enable"),
@@ -659,6 +657,20 @@ def test_each_rule_names_its_key(row, path_tree):
 
 def test_good_paths_pass_on_a_real_start(path_tree):
     ok([o.format(tmp=path_tree) for o in GOOD_PATHS], check_paths=True)
+
+
+def test_lora_on_moe_takes_attention_modules(path_tree):
+    """On a Mixture-of-Experts model LoRA adapts the attention: accepted for actor and critic when
+    target_modules names attention modules only; an MLP module in the critic's list is named."""
+    good = [o.format(tmp=path_tree) for o in GOOD_PATHS] + [f"actor_rollout_ref.model.path={path_tree}/moe3",
+                                                             "actor_rollout_ref.model.lora_rank=8", "critic.model.lora_rank=4"]
+    ok(good + ["actor_rollout_ref.model.target_modules=[q_proj, k_proj, v_proj, o_proj]",
+               "critic.model.target_modules=all-linear", "actor_rollout_ref.model.exclude_modules=[]",
+               "critic.model.target_modules=q_proj,v_proj"], check_paths=True)
+    err = fails(good + ["actor_rollout_ref.model.target_modules=all-linear",
+                        "actor_rollout_ref.model.exclude_modules=[gate_proj, up_proj, down_proj]",
+                        "critic.model.target_modules=[o_proj, up_proj]"], check_paths=True)
+    assert keys_of(err) == ["critic.model.target_modules"] and "got up_proj among the modules" in str(err), err
 
 
 def _validate_source():

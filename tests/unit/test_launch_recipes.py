@@ -159,6 +159,17 @@ def test_split_placement_dry_run_lays_out_both_groups():
     assert p.returncode == 2 and "ROLLOUT_TP=8 does not divide the rollout GPUs per node (4)" in p.stderr
 
 
+def test_lora_recipe_takes_the_split_placement():
+    """The LoRA recipe with vLLM on a node of its own: the adapters go over the bridge."""
+    p = _dry("qwen3_32b_lora.sh", ROLLOUT_NNODES="1", NNODES="2", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    assert cfg["actor_rollout_ref"]["hybrid_engine"] is False and cfg["actor_rollout_ref"]["model"]["lora_rank"] == 64
+    assert ("world=24 (split: 16 training ranks on 2 node(s) x 8 + 8 rollout ranks, own nodes, 8 per node) | "
+            "train: TP=8 PP=1 DP=2 | rollout: TP=4 DP=2") in p.stdout
+    assert ": FITS" in p.stdout
+
+
 def test_ray_launcher_rank_plan_keeps_nodes_contiguous():
     from megappo.launch.ray import rank_plan
 

@@ -44,6 +44,16 @@ def test_adapter_parameters_at_tp1_are_pefts(targets):
     assert P.lora_layer_params(m, 8, targets, 1) * m.layers == _peft_trainable(cfg, targets, 8)
 
 
+def test_adapter_parameters_on_moe_are_pefts():
+    """The attention's adapters on a Mixture-of-Experts model (what LoRA adapts there): PEFT's
+    trainable parameters with the same targets."""
+    cfg = hf_config("qwen3_moe", mlp_only_layers=[])
+    m = P.model_shape(cfg.to_dict())
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    o = P.PlanOptions(tp=1, pp=1, dp=1, gpu_memory_gb=1.0, actor=P.RoleOptions(lora_rank=8, lora_modules=attention))
+    assert P.stage_lora_params(m, o, o.actor) == _peft_trainable(cfg, attention, 8)
+
+
 def test_adapter_parameters_at_tp2_by_hand():
     m = P.model_shape(SMALL)
     # r = 8, hidden 64, q 4 x 16 = 64, k/v 2 x 16 = 32, FFN 128; TP2.

@@ -500,7 +500,7 @@ def _lora_name_problem(value, excluded: bool) -> str:
 
 
 def _lora(cfg: PPOConfig, need: Need) -> None:
-    """verl's LoRA keys: ranks, module names, and what LoRA does not run with yet."""
+    """verl's LoRA keys: ranks and module names (LoRA on MoE models: _check_experts)."""
     for sect, keys in (("actor_rollout_ref.model.", ("target_modules", "exclude_modules")),
                        ("critic.model.", ("target_modules",))):
         rank = get(cfg, sect + "lora_rank")
@@ -509,11 +509,6 @@ def _lora(cfg: PPOConfig, need: Need) -> None:
             for key in keys:
                 problem = _lora_name_problem(get(cfg, sect + key), key == "exclude_modules")
                 need(not problem, sect + key, problem)
-    arr = cfg.actor_rollout_ref
-    if lora_enabled(cfg):
-        need(arr.hybrid_engine, "actor_rollout_ref.hybrid_engine",
-             "must be true with LoRA (actor_rollout_ref.model.lora_rank > 0 or lora_adapter_path): the split "
-             "placement's bridge sends full weights and its rollout ranks do not serve adapters yet")
 
 
 def lora_enabled(cfg: PPOConfig) -> bool:
@@ -582,7 +577,7 @@ def _check_model_path(cfg: PPOConfig, key: str, need) -> None:
 
 def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
     """Expert parallelism against the model: EP > 1 needs a Mixture-of-Experts model whose
-    experts it divides."""
+    experts it divides; LoRA on such a model adapts the attention only."""
     import json
 
     try:
@@ -596,12 +591,34 @@ def _check_experts(cfg: PPOConfig, key: str, config_json: Path, need) -> None:
         need(False, k, f"must be 1: {key} ({get(cfg, key)}) is a dense model (no num_experts in its config.json), got {ep}")
     elif experts and ep >= 1:
         need(experts % ep == 0, k, f"must divide the model's num_experts ({experts}, {key}), got {ep}")
-    lora = lora_enabled(cfg) if key == "actor_rollout_ref.model.path" else (
-        key == "critic.model.path" and cfg.critic.model.lora_rank > 0)
-    if experts and lora:
-        lk = "actor_rollout_ref.model.lora_rank" if key.startswith("actor") else "critic.model.lora_rank"
-        need(False, lk, f"LoRA on a Mixture-of-Experts model ({key}: {experts} experts) is not supported yet "
-                        "(the experts' linears get no adapters); use 0 (full fine-tuning)")
+    if not experts:
+        return
+    roles = []   # (its model section's key prefix, adapters on) of the roles built from this folder
+    if key == "actor_rollout_ref.model.path":
+        roles.append(("actor_rollout_ref.model.", lora_enabled(cfg)))
+    if critic_enabled(cfg) and (key == "critic.model.path" or cfg.critic.model.path == cfg.actor_rollout_ref.model.path):
+        roles.append(("critic.model.", cfg.critic.model.lora_rank > 0))
+    for prefix, lora in roles:
+        if lora:
+            _check_moe_lora(cfg, prefix, key, experts, need)
+
+
+def _check_moe_lora(cfg: PPOConfig, prefix: str, key: str, experts: int, need) -> None:
+    """LoRA on a Mixture-of-Experts model adapts the attention only: the experts' and router's
+    adapters are not built."""
+    from megappo.models import ATTENTION_MODULES, LoRAError, lora_spec_from_config
+
+    section = get(cfg, prefix[:-1])
+    try:
+        modules = lora_spec_from_config(section).modules
+    except (LoRAError, OSError, ValueError):
+        return   # a bad adapter folder or module name is reported by its own rule
+    mlp = [m for m in modules if m not in ATTENTION_MODULES]
+    # an adapter folder to start from brings its own modules
+    tk = prefix + ("lora_adapter_path" if getattr(section, "lora_adapter_path", None) else "target_modules")
+    need(not mlp, tk, f"must name attention modules only ({', '.join(ATTENTION_MODULES)}) on {key}, a "
+                      f"Mixture-of-Experts model ({experts} experts): megappo does not build adapters for its "
+                      f"experts and router; got {', '.join(mlp)} among the modules")
 
 
 def critic_enabled(cfg: PPOConfig) -> bool:

@@ -2,7 +2,7 @@
 from .build import build_model, initialize_parallel
 from .hf import (SUPPORTED_ARCHITECTURES, HFModelInfo, ModelDesc, ModelConfigError, MoEOptions, describe, load_hf_config,
                  padded_vocab_size, transformer_config)
-from .lora import (LORA_MODULES, LoRAError, LoRASpec, lora_spec_from_config, apply_lora, export_lora_tensors, load_lora_tensors,
+from .lora import (ATTENTION_MODULES, LORA_MODULES, LoRAError, LoRASpec, lora_spec_from_config, apply_lora, export_lora_tensors, load_lora_tensors,
                    lora_parameters, lora_targets, parse_lora_modules, peft_name, read_peft_adapter, set_lora_enabled,
                    write_peft_adapter, has_lora, lora_spec_of, merged_hf_tensors)
 from .tensor_maps import fuse_gate_up, fuse_qkv, pad_vocab, qkv_group_views, split_gate_up, split_qkv, unpad_vocab
@@ -13,7 +13,7 @@ __all__ = ["uses_te", "packs_sequences", "CPSequence", "local_positions", "gathe
            "packed_local_positions", "build_model", "initialize_parallel", "SUPPORTED_ARCHITECTURES", "HFModelInfo", "ModelDesc",
            "ModelConfigError", "MoEOptions", "describe", "load_hf_config", "padded_vocab_size", "transformer_config",
            "RMSNorm", "QKRMSNorm", "SdpaCoreAttention", "ValueHead", "layer_spec", "te_available",
-           "LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "apply_lora", "export_lora_tensors", "load_lora_tensors", "lora_parameters",
+           "ATTENTION_MODULES", "LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "apply_lora", "export_lora_tensors", "load_lora_tensors", "lora_parameters",
            "lora_targets", "parse_lora_modules", "peft_name", "set_lora_enabled", "read_peft_adapter", "write_peft_adapter",
            "has_lora", "lora_spec_of", "merged_hf_tensors", "fuse_qkv", "split_qkv", "fuse_gate_up",
            "split_gate_up", "pad_vocab", "unpad_vocab", "qkv_group_views"]

@@ -27,8 +27,12 @@ parameters of the model's ``params_dtype``, like every other trained weight: in 
 megatron's mixed-precision optimizer keeps their fp32 master copies (in fp32 runs they are fp32).
 
 Only megatron's local layer spec: TransformerEngine's ``linear_qkv``/``linear_fc1`` fuse the
-preceding norm into the linear, so their input is not the HF module's input. Mixture-of-Experts
-models are refused for now (their experts' linears are not adapted yet).
+preceding norm into the linear, so their input is not the HF module's input.
+
+On Mixture-of-Experts models only the attention is adapted (``q_proj`` ... ``o_proj``): the
+experts, the router and the dense layers' MLPs stay frozen without adapters. (PEFT on transformers
+5 adapts experts and router too, as LoRA over their fused 3D parameters; megappo does not build
+those yet, so it refuses MLP modules on such a model rather than train a different set.)
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "parse_lora_modules", "lora_targets", "apply_lora",
+__all__ = ["ATTENTION_MODULES", "LORA_MODULES", "LoRAError", "LoRASpec", "lora_spec_from_config", "parse_lora_modules", "lora_targets", "apply_lora",
            "lora_parameters", "peft_name", "load_lora_tensors", "export_lora_tensors", "set_lora_enabled",
            "read_peft_adapter", "write_peft_adapter", "has_lora", "lora_spec_of", "merged_hf_tensors"]
 
@@ -54,6 +58,7 @@ LORA_MODULES = {
     "down_proj": ("mlp.linear_fc2", None, "row"),
 }
 ALL_LINEAR = "all-linear"
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -231,8 +236,10 @@ def apply_lora(chunks, desc, spec: LoRASpec, seed: int = 0) -> list[torch.nn.Par
         raise LoRAError(f"lora_rank must be positive, got {spec.rank}")
     if not spec.modules:
         raise LoRAError("no module to adapt (target_modules minus exclude_modules is empty)")
-    if desc.num_experts:
-        raise LoRAError("LoRA on Mixture-of-Experts models is not supported yet (the experts' linears)")
+    mlp = [m for m in spec.modules if m not in ATTENTION_MODULES]
+    if desc.num_experts and mlp:
+        raise LoRAError(f"{', '.join(mlp)}: on a Mixture-of-Experts model LoRA adapts the attention only "
+                        f"({', '.join(ATTENTION_MODULES)}); the experts' and router's adapters are not built")
     if any(getattr(c, "megappo_te_spec", False) for c in chunks):
         raise LoRAError("LoRA needs megatron's local layer spec: TransformerEngine's linear_qkv / linear_fc1 "
                         "include the preceding norm, so their input is not the HF module's")
@@ -361,7 +368,10 @@ def _branches(chunks):
         for local, layer in _layers(chunk):
             g = _global_layer(chunk, local)
             for path in dict.fromkeys(v[0] for v in LORA_MODULES.values()):
-                branch = getattr(_module(layer, path), "lora", None)
+                try:
+                    branch = getattr(_module(layer, path), "lora", None)
+                except AttributeError:   # an MoE layer has no linear_fc1 / linear_fc2
+                    continue
                 if branch is not None:
                     for m in branch.modules:
                         yield g, m, branch

@@ -13,7 +13,8 @@ Methods (the tensors' source; the destination is the engine, or the split placem
   broadcasts it over PP; every rank yields full HF tensors (:func:`megappo.convert.iter_hf_tensors`).
 - **the split placement's bridge**: the engine is a :class:`megappo.trainer.RemoteRollout`;
   full HF tensors go from global rank 0 to the rollout ranks with the policy version
-  (:func:`megappo.distributed.split.send_weights`).
+  (:func:`megappo.distributed.split.send_weights`); a LoRA actor's adapters go the same way,
+  and the rollout ranks' engines serve them (:meth:`megappo.trainer.RemoteRollout.sync_lora`).
 - **LoRA adapters** (an actor with adapters, :mod:`megappo.models.lora`): the frozen base goes
   once, by one of the paths above; every push after that sends only the adapters (full
   PEFT-named tensors, gathered over TP and PP), which the engine serves as a new in-memory
@@ -50,7 +51,7 @@ class WeightSync:
         self.actor, self.desc, self.engine = actor, desc, engine
         # (a LoRA actor's reference is the actor itself: nothing of its own to offload)
         self.others = [w for w in others if w is not None and getattr(w, "actor", None) is not actor]
-        self.remote = remote                     # the split placement: the bridge carries full tensors
+        self.remote = remote                     # the split placement: the bridge carries the tensors
         self.lora = lora_spec_of(actor.chunks) if has_lora(actor.chunks) else None
         # adapters to the engine, or (where it cannot serve them) merged full weights every push
         self.lora_mode = None if self.lora is None else ("adapter" if getattr(engine, "lora_rank", 0) else "merged")
@@ -78,8 +79,8 @@ class WeightSync:
         if self.lora_mode == "adapter":
             adapters = export_lora_tensors(self.actor.chunks)
             s = self.engine.sync_lora(adapters, self.lora.rank, self.lora.alpha, self.lora.modules, version)
-            out = {"rollout/sync_s": out["rollout/sync_s"] + s["rollout/sync_s"],
-                   "rollout/sync_bytes": out["rollout/sync_bytes"] + s["rollout/sync_bytes"]}
+            # (the bridge reports its figures on global rank 0 only)
+            out = {k: out.get(k, 0) + s.get(k, 0) for k in ("rollout/sync_s", "rollout/sync_bytes")}
         self.actor.offload()
         return out
 

@@ -70,7 +70,7 @@ class PPOTrainer:
         if self.split:
             from .remote import RemoteRollout
 
-            self.engine = RemoteRollout(self.split, self.pad_id)
+            self.engine = RemoteRollout(self.split, self.pad_id, lora_rank=builders.engine_lora_rank(cfg))
         else:
             self.engine = builders.build_engine(cfg)   # first: see megappo.builders
         self.info, self.actor = builders.build_actor(cfg, self.device, self.pad_id, self.last_step)

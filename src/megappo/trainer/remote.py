@@ -9,7 +9,10 @@ depend on the number of replicas), the outputs are gathered over the rollout gro
 rollout rank sends them back. GENERATE_TURNS is the same for multi-turn rollouts with tools: the
 rollout ranks run the turn loop and the tools (:meth:`MultiTurnRollout.generate`) and send back
 the samples, their prompt indices and the turn metrics. WEIGHTS is followed by one versioned
-weight transfer. STOP ends the service. The training side may leave one generation in flight (one-step off-policy): it must be
+weight transfer. LORA (a LoRA actor whose adapters the engines serve) carries the adapters'
+rank, alpha, modules and policy version and is followed by one versioned transfer of the
+adapters (PEFT names), which each rollout rank's engine serves from then on; the base went once,
+by WEIGHTS. STOP ends the service. The training side may leave one generation in flight (one-step off-policy): it must be
 collected before the next command, since the bridge's messages are matched in order.
 """
 from __future__ import annotations
@@ -23,16 +26,19 @@ from megappo.rollout import RolloutOutput, SamplingConfig
 
 __all__ = ["RemoteRollout", "serve"]
 
-GENERATE, WEIGHTS, STOP, RESET_PREFIX_CACHE, GENERATE_TURNS = 1, 2, 3, 4, 5
+GENERATE, WEIGHTS, STOP, RESET_PREFIX_CACHE, GENERATE_TURNS, LORA = 1, 2, 3, 4, 5, 6
 
 
 class RemoteRollout:
     """What the trainer asks of its engine, done by the rollout ranks. Every training rank calls
     every method (weight gathers are collective over them; every rank gets the outputs)."""
 
-    def __init__(self, groups, pad_token_id: int):
+    def __init__(self, groups, pad_token_id: int, lora_rank: int = 0):
         self.groups = groups
         self.pad_token_id = pad_token_id
+        # the rank of the adapters the rollout ranks' engines serve (megappo.builders.engine_lora_rank
+        # of the same configuration); 0: they take full (for a LoRA actor: merged) weights
+        self.lora_rank = lora_rank
         self.asleep = False                  # the rollout ranks' engines never sleep
         self.transfers = 0                   # weight transfers sent (the bridge's version numbers)
         self.policy_version: Optional[int] = None   # trainer step whose weights the rollout ranks hold
@@ -50,6 +56,21 @@ class RemoteRollout:
             split.send_command(self.groups, WEIGHTS, self.transfers)
         out = split.send_weights(self.groups, named, self.transfers)
         self.policy_version = policy_version
+        return out
+
+    def sync_lora(self, tensors: dict, rank: int, alpha: float, modules, version: int) -> dict:
+        """The actor's adapters (full PEFT-named tensors, on every training rank) to the rollout
+        ranks, whose engines serve them from then on as the weights of trainer step ``version``."""
+        self._idle("send adapters")
+        if not self.lora_rank:
+            raise RuntimeError("RemoteRollout: the rollout ranks' engines were started without LoRA (lora_rank=0): "
+                               "they take merged weights, not adapters")
+        self.transfers += 1
+        if self.groups.is_sender:
+            split.send_command(self.groups, LORA, {"transfer": self.transfers, "rank": int(rank), "alpha": float(alpha),
+                                                   "modules": list(modules), "version": int(version)})
+        out = split.send_weights(self.groups, sorted(tensors.items()), self.transfers)
+        self.policy_version = version
         return out
 
     def request(self, prompts: list, sampling: SamplingConfig) -> None:
@@ -139,7 +160,7 @@ def _turns(cfg, engine, groups):
     return MultiTurnRollout(cfg, engine, tokenizer, runner, engine.pad_token_id, groups.role_rank, groups.role_world)
 
 
-_PHASES = {WEIGHTS: "rollout_weights", GENERATE: "rollout_generate", GENERATE_TURNS: "rollout_generate"}
+_PHASES = {WEIGHTS: "rollout_weights", LORA: "rollout_weights", GENERATE: "rollout_generate", GENERATE_TURNS: "rollout_generate"}
 
 
 def _serve_one(op, obj, engine, groups, rtp, turns=None) -> None:
@@ -148,6 +169,10 @@ def _serve_one(op, obj, engine, groups, rtp, turns=None) -> None:
     if op == WEIGHTS:
         _, buckets = split.receive_weights(groups, expected_version=obj)
         engine.sync_weights(p for b in buckets for p in b)
+    elif op == LORA:
+        _, buckets = split.receive_weights(groups, expected_version=obj["transfer"])
+        tensors = dict(p for b in buckets for p in b)
+        engine.sync_lora(tensors, obj["rank"], obj["alpha"], obj["modules"], obj["version"])
     elif op == GENERATE:
         out = generate_replicated(engine, obj["prompts"], obj["sampling"], groups.role_rank, groups.role_world, rtp)
         if groups.bridge_rank == 1:
