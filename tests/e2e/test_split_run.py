@@ -186,11 +186,16 @@ LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alp
         "actor_rollout_ref.actor.optim.lr=1e-2"]
 
 
-def _run_merged(rank, world, setup, run_dir, steps, extra, port):
-    """_run with engines that cannot serve adapters (vLLM's ranks stop at 512): merged weights."""
-    from megappo import builders
+def _run_checked(rank, world, setup, run_dir, steps, extra, port=None, merged=False):
+    """_run under the CPU device check (a simulated GPU per rank; the bridge's tensors too);
+    ``merged``: engines that cannot serve adapters (vLLM's ranks stop at 512) take merged weights."""
+    import os
 
-    builders.engine_lora_rank = lambda cfg: 0
+    os.environ["MEGAPPO_CHECK_DEVICES"] = "1"
+    if merged:
+        from megappo import builders
+
+        builders.engine_lora_rank = lambda cfg: 0
     _run(rank, world, setup, run_dir, steps, extra, port)
 
 
@@ -203,8 +208,8 @@ def _model_bytes(model_dir):
 
 @pytest.mark.e2e
 def test_split_with_lora_serves_the_adapters_as_colocated(tiny):
-    """The bridge sends the base once and then only the adapters; the rollout ranks' engines serve
-    them: every metric equals the colocated LoRA run's, the engines' log-probs are the actor's,
+    """Under the CPU device check, the bridge sends the base once and then only the adapters; the
+    rollout ranks' engines serve them: every metric equals the colocated LoRA run's, the engines' log-probs are the actor's,
     and a run resumed from step 2 (base and adapters sent again) repeats step 3. With engines that
     cannot serve adapters, each sync sends the merged weights, which the engines' log-probs match."""
     from harness import free_port, spawn
@@ -214,8 +219,8 @@ def test_split_with_lora_serves_the_adapters_as_colocated(tiny):
     root, _ = tiny
     # words: a random policy scores partly, so the adapters move from the first step
     setup = make_tiny_setup(str(root / "words_lora"), n_train=64, n_test=8, task="words")
-    spawn(_run, 2, setup, str(root / "colocated_lora"), 3, LORA)
-    spawn(_run, 4, setup, str(root / "split_lora"), 3, SPLIT + LORA, free_port())
+    spawn(_run_checked, 2, setup, str(root / "colocated_lora"), 3, LORA)
+    spawn(_run_checked, 4, setup, str(root / "split_lora"), 3, SPLIT + LORA, free_port())
     colocated, split = _rows(root / "colocated_lora"), _rows(root / "split_lora")
     assert [r["step"] for r in split] == [1, 2, 3]
     for a, b in zip(colocated, split):
@@ -227,7 +232,7 @@ def test_split_with_lora_serves_the_adapters_as_colocated(tiny):
     assert split[-1]["actor/grad_norm"] > 0
     _resume_from_step_2(root / "split_lora", root / "split_lora_resumed", setup, SPLIT + LORA, split)
 
-    spawn(_run_merged, 4, setup, str(root / "split_lora_merged"), 2, SPLIT + LORA, free_port())
+    spawn(_run_checked, 4, setup, str(root / "split_lora_merged"), 2, SPLIT + LORA, free_port(), True)
     for r in _rows(root / "split_lora_merged"):
         assert r["training/rollout_probs_diff_max"] < 1e-4, r
         assert r["rollout/sync_bytes"] == full, (r["rollout/sync_bytes"], full)   # the merged model, every step
