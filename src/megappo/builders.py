@@ -163,17 +163,35 @@ def _optimizer(o: OptimConfig, total_steps: int, use_distributed_optimizer: bool
 def packing(requested: bool, chunks, key: Optional[str]) -> bool:
     """Whether a role packs its micro-batches: use_remove_padding and an attention that takes
     packed sequences (THD: TransformerEngine's, or megappo's in the local spec; with context
-    parallelism too). Requested where it cannot be, it is said once and ignored: padded
-    micro-batches compute the same numbers."""
+    parallelism too), and no per-sequence MoE load-balancing loss. Requested where it cannot be,
+    it is said once and ignored: padded micro-batches compute the same numbers."""
     from megappo.models import packs_sequences
 
+    say = key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
     if requested and not packs_sequences(chunks):
-        if key and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        if say:
             print(f"megappo: {key}=true needs an attention that takes packed sequences (TransformerEngine's, or "
                   "megappo's where the local spec can use it: no sliding window, attention sink or dropout); this "
                   "model has megatron's DotProductAttention, so its micro-batches stay padded", flush=True)
         return False
+    if requested and _seq_aux_loss(chunks):
+        if say:
+            print(f"megappo: {key}=true with moe_router_load_balancing_type=seq_aux_loss: megatron computes that "
+                  "loss over each column of a micro-batch, which packing makes one row of many sequences; the "
+                  "micro-batches stay padded, so that it stays a per-sequence loss", flush=True)
+        return False
     return requested
+
+
+def _seq_aux_loss(chunks) -> bool:
+    """Whether a Mixture-of-Experts model weighs megatron's per-sequence load-balancing loss."""
+    c = getattr(chunks[0], "config", None)
+    if c is None or not getattr(c, "num_moe_experts", None):
+        return False
+    types, coeffs = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+    types = types if isinstance(types, (list, tuple)) else [types]
+    coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return any(t == "seq_aux_loss" and w > 0 for t, w in zip(types, coeffs))
 
 
 def _set_offload(worker, mc: MegatronConfig) -> None:

@@ -121,3 +121,27 @@ def test_packing_needs_an_attention_that_takes_packed_sequences(capsys):
     chunks = [torch.nn.Linear(2, 2)]
     chunks[0].megappo_te_spec = True
     assert packing(True, chunks, "x") is True and packing(False, chunks, "x") is False
+
+
+def test_packing_keeps_the_sequence_load_balancing_loss_per_sequence(capsys):
+    """megatron's seq_aux_loss is computed per column of a [tokens, batch] micro-batch, which a
+    packed row of many sequences would turn into one: with a non-zero weight on it the role stays
+    padded, said once; other load-balancing losses, or a zero weight, pack."""
+    from types import SimpleNamespace
+
+    from megappo.builders import packing
+
+    def moe(types, coeffs):
+        m = torch.nn.Linear(2, 2)
+        m.megappo_te_spec = True   # an attention that takes packed sequences
+        m.config = SimpleNamespace(num_moe_experts=4, moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs)
+        return [m]
+
+    assert packing(True, moe("seq_aux_loss", 0.01), "critic.model.use_remove_padding") is False
+    out = capsys.readouterr().out
+    assert "critic.model.use_remove_padding=true with moe_router_load_balancing_type=seq_aux_loss" in out
+    assert packing(True, moe(["aux_loss", "seq_aux_loss"], [0.0, 1e-3]), None) is False
+    for types, coeffs in (("seq_aux_loss", 0.0), ("aux_loss", 0.01), ("global_aux_loss", 0.01),
+                          (["aux_loss", "seq_aux_loss"], [0.01, 0.0])):
+        assert packing(True, moe(types, coeffs), "x") is True, (types, coeffs)
+    assert capsys.readouterr().out == ""
