@@ -14,7 +14,8 @@ import torch
 
 from megappo.batch import RolloutBatch
 
-__all__ = ["data_metrics", "critic_diagnostics", "CollapseWatch", "Timer", "MetricsLogger", "peak_flops", "mfu"]
+__all__ = ["data_metrics", "critic_diagnostics", "CollapseWatch", "Timer", "MetricsLogger", "peak_flops", "mfu",
+           "select_generations"]
 
 # Dense bf16 tensor-core peak per GPU in TFLOPS, keyed by words of torch.cuda.get_device_name().
 # NVIDIA's datasheets lead with the 2:4-sparse figure; dense is half of it. One form factor's name
@@ -265,9 +266,19 @@ class _WandbSink:
             f.write(run_id)
         self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", config=config,
                               dir=run_dir)
+        self.rows: list = []   # val/generations' rows
 
     def log(self, step: int, scalars: dict) -> None:
         self.run.log(scalars, step=step)
+
+    def log_generations(self, step: int, samples: list) -> None:
+        """verl's table: one row per validation (step, then input, output and score of each
+        sample), the rows so far logged together (wandb keeps a table's last version)."""
+        import wandb
+
+        self.rows.append([step] + [x for sample in samples for x in sample])
+        columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(samples)) for c in ("input", "output", "score")]
+        self.run.log({"val/generations": wandb.Table(columns=columns, data=self.rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -304,8 +315,52 @@ class _MlflowSink:
     def log(self, step: int, scalars: dict) -> None:
         self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
 
+    def log_generations(self, step: int, samples: list) -> None:
+        """One JSON artifact per validation: val_generations/step_<step>.json."""
+        self.mlflow.log_dict({"step": step, "samples": [dict(zip(("input", "output", "score"), x)) for x in samples]},
+                             f"val_generations/step_{step}.json")
+
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+GENERATIONS_FILE = "val_generations.jsonl"
+
+
+def select_generations(samples: list, n: int) -> list:
+    """The ``n`` validation samples ``(input, output, score)`` to log, chosen as verl chooses
+    them: sorted by input (stable), shuffled by numpy's RandomState(42), the first ``n``; the
+    same prompts at every validation of a run."""
+    import numpy as np
+
+    if n <= 0:
+        return []
+    chosen = sorted(samples, key=lambda x: x[0])
+    np.random.RandomState(42).shuffle(chosen)
+    return chosen[:n]
+
+
+def _md(text: str) -> str:
+    """Text shown verbatim in TensorBoard's markdown: as a code span (backticks doubled away)."""
+    return "``" + text.replace("`", "'") + "``"
+
+
+def _keep_steps(path: str, step: int) -> None:
+    """Drop a JSON-lines file's records of steps after ``step`` (and lines cut short)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError):
+                pass  # a line cut short by the crash
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -373,9 +428,28 @@ class MetricsLogger:
         for sink in self._remote:
             sink.log(step, scalars)
 
+    def log_generations(self, step: int, samples: list) -> None:
+        """Validation samples ``(input, output, score)`` (trainer.log_val_generations of them, see
+        :func:`select_generations`): ``file`` appends one JSON line per sample to
+        ``<run_dir>/val_generations.jsonl``, ``tensorboard`` a text entry ``val/generations``,
+        ``wandb`` verl's table, ``mlflow`` a JSON artifact; ``console`` prints nothing (as verl)."""
+        if not self.active or not samples:
+            return
+        if "file" in self.sinks:
+            with open(os.path.join(self.run_dir, GENERATIONS_FILE), "a", encoding="utf-8") as f:
+                for inp, out, score in samples:
+                    f.write(json.dumps({"step": step, "input": inp, "output": out, "score": score}) + "\n")
+        if self._tb is not None:
+            text = "\n\n".join(f"**input** {_md(inp)}\n\n**output** {_md(out)}\n\n**score** {score:g}"
+                                for inp, out, score in samples)
+            self._tb.add_text("val/generations", text, step)
+            self._tb.flush()
+        for sink in self._remote:
+            sink.log_generations(step, samples)
+
     def truncate_after(self, step: int) -> None:
         """On resume: drop what a crashed run logged after its last checkpoint, so each step
-        appears once (the file keeps its lines up to ``step``; TensorBoard purges later events)."""
+        appears once (the files keep their lines up to ``step``; TensorBoard purges later events)."""
         self.t0 = time.time()
         self._resumed_at = step
         if not self.active:
@@ -383,19 +457,9 @@ class MetricsLogger:
         if self._file is not None:
             path = self._file.name
             self._file.close()
-            keep = []
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["step"] <= step:
-                            keep.append(line)
-                    except (ValueError, KeyError):
-                        pass  # a line cut short by the crash
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(keep)
-            os.replace(tmp, path)
+            _keep_steps(path, step)
             self._file = open(path, "a", encoding="utf-8")
+            _keep_steps(os.path.join(self.run_dir, GENERATIONS_FILE), step)
         if self._tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -80,13 +80,18 @@ def test_split_synchronous_trains_as_colocated(tiny):
     from harness import free_port, spawn
 
     root, setup = tiny
-    spawn(_run, 2, setup, str(root / "colocated"), 3, [])
-    spawn(_run, 4, setup, str(root / "split_sync"), 3, SPLIT, free_port())
+    logged = ["trainer.log_val_generations=3"]
+    spawn(_run, 2, setup, str(root / "colocated"), 3, logged)
+    spawn(_run, 4, setup, str(root / "split_sync"), 3, SPLIT + logged, free_port())
     colocated, split = _rows(root / "colocated"), _rows(root / "split_sync")
     assert [r["step"] for r in split] == [1, 2, 3] and "val-core/synthetic/echo/reward/mean@1" in split[-1]
     assert all(r["training/weight_version_lag"] == 0 for r in split)
     for a, b in zip(colocated, split):
         assert _stable(a) == _stable(b), sorted(k for k in _stable(a) if _stable(b).get(k) != _stable(a)[k])
+    # the validation samples logged (trainer.log_val_generations): the same from the rollout ranks
+    generations = (root / "split_sync" / "val_generations.jsonl").read_text()
+    assert generations == (root / "colocated" / "val_generations.jsonl").read_text()
+    _rescored(setup, [json.loads(x) for x in generations.splitlines()])
     # resumed from its step-2 checkpoint (nothing in flight when synchronous), step 3 repeats itself
     _resume_from_step_2(root / "split_sync", root / "split_sync_resumed", setup, SPLIT, split)
 
@@ -106,6 +111,25 @@ def test_split_at_cp2_trains_as_colocated(tiny):
     for a, b in zip(colocated, split):
         assert _stable(a) == _stable(b), sorted(k for k in _stable(a) if _stable(b).get(k) != _stable(a)[k])
     assert split[-1]["training/rollout_probs_diff_max"] < 1e-4   # the rollout ranks hold the actor's weights
+
+
+def _rescored(setup, records):
+    """Each logged validation sample is one of the validation prompts, decoded, and its score is
+    what the task's reward function gives the logged output."""
+    from transformers import AutoTokenizer
+
+    from megappo.data import PromptDataset
+    from megappo.rewards import score_batch
+
+    tok = AutoTokenizer.from_pretrained(setup["model"])
+    items = {tok.decode(it.prompt_ids, skip_special_tokens=True): it
+             for it in PromptDataset(setup["test"], tok, max_prompt_length=64).items}
+    assert len(records) == 3 and all(r["step"] == 3 for r in records)
+    assert len({r["input"] for r in records}) == 3 and all(r["input"] in items for r in records)
+    it = [items[r["input"]] for r in records]
+    want = score_batch([i.data_source for i in it], [r["output"] for r in records], [i.ground_truth for i in it],
+                       [i.extra_info for i in it])
+    assert [r["score"] for r in records] == pytest.approx(want), (records, want)
 
 
 def _resume_from_step_2(run, resumed, setup, extra, rows):

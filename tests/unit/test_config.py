@@ -564,6 +564,8 @@ RULES = [
     (["trainer.test_freq=-5"], {}, "trainer.test_freq", "-1 (disabled)"),
     (["trainer.critic_warmup=-1"], {}, "trainer.critic_warmup", "must be >= 0, got -1"),
     (["trainer.dist_timeout_s=0"], {}, "trainer.dist_timeout_s", "must be >= 1 second, got 0"),
+    (["trainer.log_val_generations=-1"], {}, "trainer.log_val_generations",
+     "must be >= 0 (validation samples to log; 0: none), got -1"),
     (["trainer.watchdog_silence_s=-1"], {}, "trainer.watchdog_silence_s", "must be >= 0 (0 disables), got -1"),
     (["trainer.watchdog_slow_phase_s=-1"], {}, "trainer.watchdog_slow_phase_s", "must be >= 0, got -1"),
     (["trainer.resume_mode=resume_path"], {}, "trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path"),

@@ -12,10 +12,15 @@ STEPS = {1: {"critic/score/mean": 0.25, "val-core/synthetic/echo/reward/mean@1":
          2: {"critic/score/mean": 0.75}}
 
 
+GENERATIONS = [("what is 1+1?", "2", 1.0), ("say hi", "bye", 0.0)]   # logged at step 1
+
+
 def _log(run_dir, sink, steps):
     lg = MetricsLogger([sink], str(run_dir), project="proj", experiment="exp", config=CONFIG)
     for step in steps:
         lg.log(step, STEPS[step])
+        if step == 1:
+            lg.log_generations(step, GENERATIONS)
     lg.close()
 
 
@@ -74,6 +79,12 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert json.loads(config["data"]) == {"train_batch_size": 8}
     assert float(history[1]["critic/score/mean"]) == 0.25 and float(history[2]["critic/score/mean"]) == 0.75
     assert float(history[1]["val-core/synthetic/echo/reward/mean@1"]) == 0.5 and "note" not in history[1]
+    # the validation samples: verl's table, a row per validation
+    table = {k.split("/")[-1]: json.loads(v) for k, v in history[1].items() if k.startswith("val/generations/")}
+    assert table["_type"] == "table-file" and table["ncols"] == 7
+    data = json.loads(next(runs[0].glob("files/" + table["path"])).read_text())
+    assert data["columns"] == ["step", "input_1", "output_1", "score_1", "input_2", "output_2", "score_2"]
+    assert data["data"] == [[1, "what is 1+1?", "2", 1.0, "say hi", "bye", 0.0]]
 
 
 def test_mlflow_local_store(tmp_path, monkeypatch):
@@ -93,3 +104,7 @@ def test_mlflow_local_store(tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in score] == [(1, 0.25), (2, 0.75)]
     val = client.get_metric_history(run.info.run_id, "val-core/synthetic/echo/reward/mean_at_1")
     assert [(m.step, m.value) for m in val] == [(1, 0.5)]
+    saved = json.loads(open(client.download_artifacts(run.info.run_id, "val_generations/step_1.json",
+                                                       str(tmp_path / "dl"))).read())
+    assert saved == {"step": 1, "samples": [{"input": "what is 1+1?", "output": "2", "score": 1.0},
+                                            {"input": "say hi", "output": "bye", "score": 0.0}]}

@@ -86,6 +86,48 @@ def test_logger_resume_drops_steps_after_the_checkpoint(tmp_path):
     assert [(e.step, e.value) for e in ea.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+def test_select_generations_picks_as_verl():
+    """verl's choice written another way: sort the triples by input, a permutation of numpy's
+    RandomState(42) over them, the first n; independent of the order they arrive in."""
+    import random
+
+    import numpy as np
+
+    from megappo.metrics import select_generations
+
+    samples = [(f"prompt {i:02d}", f"answer {i}", i / 10) for i in range(20)]
+    shuffled = samples[:]
+    random.Random(3).shuffle(shuffled)
+    order = np.random.RandomState(42).permutation(20)   # shuffle() and permutation() draw alike
+    want = [samples[j] for j in order[:5]]
+    assert select_generations(shuffled, 5) == want
+    assert select_generations(samples, 5) == want and select_generations(samples, 0) == []
+    assert sorted(select_generations(samples, 50)) == samples   # n past the set: all of it
+
+
+def test_logger_writes_generations_and_drops_them_after_a_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lg = MetricsLogger(["console", "tensorboard", "file"], str(tmp_path), stream=io.StringIO())
+    for step in (2, 4):
+        lg.log_generations(step, [("a `q`", f"out {step}", 0.5), ("b", "x", 1.0)])
+    lg.close()
+    lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert lines[:2] == [{"step": 2, "input": "a `q`", "output": "out 2", "score": 0.5},
+                         {"step": 2, "input": "b", "output": "x", "score": 1.0}] and len(lines) == 4
+    ea = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    ea.Reload()
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in ea.Tensors("val/generations/text_summary")]
+    assert [t[0] for t in texts] == [2, 4] and "``out 4``" in texts[1][1] and "``a 'q'``" in texts[0][1]
+    resumed = MetricsLogger(["file"], str(tmp_path), stream=io.StringIO())
+    resumed.truncate_after(3)
+    resumed.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()] == [2, 2]
+    quiet = MetricsLogger(["file"], str(tmp_path / "other"), rank=1)
+    quiet.log_generations(1, [("a", "b", 0.0)])
+    assert not (tmp_path / "other").exists()
+
+
 def test_mfu_figures():
     from megappo.metrics import mfu, peak_flops
 

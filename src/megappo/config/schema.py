@@ -372,6 +372,7 @@ class TrainerConfig:
     project_name: str = _f("megappo", "Project name (log and checkpoint paths).")
     experiment_name: str = _f("default", "Experiment name (log and checkpoint paths).")
     logger: list[Literal["console", "tensorboard", "file", "wandb", "mlflow"]] = _f(["console"], "Metric sinks: console (a line per step), tensorboard, file (metrics.jsonl in the run directory), wandb, mlflow (pip install megappo[loggers]).")
+    log_val_generations: int = _f(0, "Validation samples logged at each validation (verl's key): that many (input, output, score) triples, the same prompts every time (sorted by input, shuffled with seed 42, as verl picks them), to val_generations.jsonl in the run directory (file), a text entry (tensorboard), a table (wandb), a JSON artifact (mlflow); 0: none.")
     default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Checkpoint directory.")
     resume_mode: str = _f("auto", "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (use resume_from_path) | a checkpoint path.")
     resume_from_path: Optional[str] = _f(None, "Checkpoint (global_step_N folder) to resume from when resume_mode=resume_path.")

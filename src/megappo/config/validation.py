@@ -433,6 +433,8 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
         need(v == -1 or v >= 1, key, f"must be -1 (disabled) or a positive number of steps, got {v}")
     need(tr.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {tr.critic_warmup}")
     need(tr.dist_timeout_s >= 1, "trainer.dist_timeout_s", f"must be >= 1 second, got {tr.dist_timeout_s}")
+    need(tr.log_val_generations >= 0, "trainer.log_val_generations",
+         f"must be >= 0 (validation samples to log; 0: none), got {tr.log_val_generations}")
     need(tr.watchdog_silence_s >= 0, "trainer.watchdog_silence_s", f"must be >= 0 (0 disables), got {tr.watchdog_silence_s}")
     need(tr.watchdog_slow_phase_s >= 0, "trainer.watchdog_slow_phase_s", f"must be >= 0, got {tr.watchdog_slow_phase_s}")
     if tr.resume_mode == "resume_path":

@@ -78,7 +78,6 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.actor.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("actor_rollout_ref.ref.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("critic.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
-    ("trainer.log_val_generations", _when(_truthy, "warn", "has no effect yet: validation generations are not logged")),
     ("trainer.use_legacy_worker_impl", lambda v: None),
     # megappo computes sum pi^2 in the old-log-prob pass whenever the estimator needs it (forward only)
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", lambda v: None),

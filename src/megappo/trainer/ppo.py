@@ -193,7 +193,15 @@ class PPOTrainer:
 
     # -- validation, checkpoints, the loop ---------------------------------------------------
     def validate(self) -> dict:
-        return validate(self.cfg, self.val_data, self.generation, self.scorer, self.engine, self.timer, self.step_no)
+        n = self.cfg.trainer.log_val_generations
+        samples = [] if n > 0 and self.logger.active else None   # decoded where they are logged
+        out = validate(self.cfg, self.val_data, self.generation, self.scorer, self.engine, self.timer, self.step_no,
+                       samples)
+        if samples:
+            from megappo.metrics import select_generations
+
+            self.logger.log_generations(self.step_no, select_generations(samples, n))
+        return out
 
     def algo_state(self) -> dict:
         return {"kl_ctrl": self.kl_ctrl, "gae_cv": self.cv_memory}
