@@ -119,7 +119,7 @@ def test_dapo_recipe_resolves_dapos_published_settings():
     assert (act["clip_ratio_low"], act["clip_ratio_high"], act["clip_ratio_c"]) == (0.2, 0.28, 10.0)
     assert act["loss_agg_mode"] == "token-mean" and act["entropy_coeff"] == 0
     assert (act["optim"]["lr"], act["optim"]["lr_warmup_steps"], act["optim"]["weight_decay"]) == (1e-6, 10, 0.1)
-    assert cfg["reward_model"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0}
+    assert cfg["reward_model"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0, "max_resp_len": None}
     assert ro["val_kwargs"]["top_p"] == 0.7 and ro["val_kwargs"]["do_sample"] is True
     assert "train: TP=2 PP=2 DP=2 | rollout: TP=2 DP=4" in p.stdout and ": FITS" in p.stdout
 

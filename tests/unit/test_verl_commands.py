@@ -69,11 +69,9 @@ def test_megatron_commands_run_unchanged_or_name_the_missing_feature(cmd):
     rc, out, err = dry_run(cmd["argv"])
     lacking = LACKING.get(cmd["source"], set())
     if cmd["source"] == MOE:
-        lacking = {_key(a) for a in cmd["argv"] if ".override_transformer_config." in a and ".moe_" not in a
-                   or "override_optimizer_config" in a or "override_config." in a
-                   or _key(a).startswith("reward_model.reward_kwargs")}  # fusions and optimizer offload; DAPO's
-        # overlong settings under verl's reward_kwargs name (reward_model.overlong_buffer.* here; reward_manager=dapo
-        # is accepted). The MoE keys run: EP is a setting, moe_router_dtype too, the MoE fusion switches warn.
+        lacking = {_key(a) for a in cmd["argv"] if "override_optimizer_config" in a or "override_config." in a}
+        # megatron's CPU optimizer offload. The rest runs: EP is a setting, moe_router_dtype too, the fusion
+        # switches warn, DAPO's reward_kwargs are the overlong penalty's keys.
     if not lacking:
         assert rc == 0, err
         cfg = yaml.safe_load(out[:out.index("# layout")])
@@ -148,7 +146,12 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("reward_model.model.use_remove_padding=True", None, None),
     ("actor_rollout_ref.actor.megatron.param_offload=True", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform", None, None),
-    ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "error",
+    ("actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "warn",
+     "megappo runs megatron's unfused paths"),
+    ("+critic.megatron.override_transformer_config.gradient_accumulation_fusion=False", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=True", "warn",
+     "keeps megatron's default"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3", "error",
      "only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff"),
     ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", None, None),   # settings
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32", None, None),
@@ -175,7 +178,10 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("critic.model.fsdp_config.param_offload=True", "error", "critic.megatron.param_offload"),
     ("reward_model.reward_manager=dapo", None, None),
     ("reward_model.reward_manager=prime", "error", "must be naive or dapo"),
-    ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", "error", "DAPO's overlong penalty is reward_model.overlong_buffer.* here"),
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", None, None),   # reward_model.overlong_buffer.len
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.log=True", None, None),
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.size=4", "error", "takes enable, len, penalty_factor and log"),
+    ("+reward_model.reward_kwargs.max_resp_len=4096", None, None),   # reward_model.overlong_buffer.max_resp_len
     ("algorithm.rollout_correction.rollout_rs=token_k1", None, None),          # settings now (validated:
     ("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", None, None),  # test_rollout_rs_and_reinforce)
     ("algorithm.rollout_correction.loss_type=reinforce", None, None),
@@ -333,3 +339,36 @@ def test_verls_megatron_multi_turn_gsm8k_command(tmp_path):
         "megappo: warning: actor_rollout_ref.rollout.name=sglang runs as actor_rollout_ref.rollout.name=vllm: "
         "megappo rolls out with vLLM, not SGLang (the same sampling settings: n, temperature, top_p, top_k; "
         "multi-turn tool calls run in megappo's own loop over the vLLM engine)"], warned
+
+
+def test_dapo_reward_kwargs_are_the_overlong_penalty():
+    """verl's DAPO reward manager arguments (reward_kwargs.overlong_buffer_cfg.*, max_resp_len) are
+    megappo's overlong penalty: a buffer of 4 ending at max_resp_len 8 (not at
+    data.max_response_length 10) costs a response of 8 tokens the whole factor, one of 4 nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megappo.batch import RolloutBatch
+    from megappo.config import load_config, validate
+    from megappo.data import PromptItem
+    from megappo.metrics import Timer
+    from megappo.trainer.scoring import Scorer
+
+    kw = "+reward_model.reward_kwargs."
+    cfg = load_config(["data.max_response_length=10", "reward_model.reward_manager=dapo",
+                       kw + "overlong_buffer_cfg.enable=True", kw + "overlong_buffer_cfg.len=4",
+                       kw + "overlong_buffer_cfg.penalty_factor=2.0", kw + "overlong_buffer_cfg.log=False",
+                       kw + "max_resp_len=8"], ["tiny_cpu"])
+    validate(cfg)
+    ob = cfg.reward_model.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.max_resp_len) == (True, 4, 2.0, 8)
+    mask = torch.zeros(2, 10)
+    mask[0, :4], mask[1, :8] = 1, 1
+    batch = RolloutBatch.from_prompts_and_responses([[5, 6], [5, 7]], torch.full((2, 10), 9), mask, 0)
+    items = [PromptItem([5, 6], "src", "a"), PromptItem([5, 7], "src", "a")]
+    scorer = Scorer(cfg, SimpleNamespace(decode=lambda ids, skip_special_tokens: "text"), lambda *a: 1.0, None,
+                    None, None, None, lambda stage, **t: None, Timer())
+    scores = scorer(batch, items)
+    assert scores.per_sample["seq_reward"].tolist() == [1.0, 1.0 - 2.0]
+    assert scores.token_level[1, 7] == -1.0 and scores.metrics["reward/overlong_fraction"] == 0.5

@@ -334,9 +334,10 @@ class RewardModelModelConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    enable: bool = _f(False, "DAPO's overlong penalty: responses longer than data.max_response_length - len lose up to penalty_factor (linearly over the buffer), on their last token.")
+    enable: bool = _f(False, "DAPO's overlong penalty: responses longer than data.max_response_length - len (max_resp_len - len when set) lose up to penalty_factor (linearly over the buffer), on their last token. verl's reward_model.reward_kwargs.overlong_buffer_cfg.* are read as these keys.")
     len: int = _f(4096, "Length of the buffer at the end of data.max_response_length where the penalty grows.")
     penalty_factor: float = _f(1.0, "Penalty of a response that fills the whole buffer.")
+    max_resp_len: Optional[int] = _f(None, "The response length the buffer ends at (verl's reward_model.reward_kwargs.max_resp_len, read here too): the penalty grows from max_resp_len - len; null: data.max_response_length.")
 
 
 @dataclass

@@ -449,8 +449,13 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
              "must be set unless reward_model.use_dynamic_bsz")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
-        need(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
-             f"must be in (0, data.max_response_length={d.max_response_length}], got {ob.len}")
+        if ob.max_resp_len is None:
+            need(0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
+                 f"must be in (0, data.max_response_length={d.max_response_length}], got {ob.len}")
+        elif need(ob.max_resp_len >= 1, "reward_model.overlong_buffer.max_resp_len",
+                  f"must be >= 1 (null: data.max_response_length), got {ob.max_resp_len}"):
+            need(0 < ob.len <= ob.max_resp_len, "reward_model.overlong_buffer.len",
+                 f"must be in (0, reward_model.overlong_buffer.max_resp_len={ob.max_resp_len}], got {ob.len}")
         need(ob.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor", f"must be >= 0, got {ob.penalty_factor}")
     need(d.max_prompt_length + d.max_response_length < 10**7, "data.max_response_length",
          f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "

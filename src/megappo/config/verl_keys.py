@@ -61,7 +61,13 @@ def substitute(path: str, value: Any, warnings: Optional[list]) -> Any:
 
 
 # verl keys that name a megappo setting by another name: the value goes to megappo's key
-RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_gpu"}
+FUSION = ("has no effect: megappo runs megatron's unfused paths for this (exact on every device; the fused kernels "
+          "come from apex or TransformerEngine and are not switched on)")
+RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_batch_size_per_gpu",
+           # verl's DAPO reward manager's arguments: megappo's overlong penalty
+           **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
+              for k in ("enable", "len", "penalty_factor")},
+           "reward_model.reward_kwargs.max_resp_len": "reward_model.overlong_buffer.max_resp_len"}
 
 RULES: list[tuple[str, Rule]] = [
     # accepted: what megappo does anyway, or a no-op until the feature lands
@@ -97,7 +103,12 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.override_transformer_config.moe_token_dispatcher_type", _when(lambda v: v != "alltoall", "warn", "has no effect: megappo dispatches tokens to experts with megatron's alltoall dispatcher")),
     ("*.megatron.override_transformer_config.moe_permute_fusion", _when(_truthy, "warn", "has no effect: megappo uses megatron's unfused token permutation")),
     ("*.megatron.override_transformer_config.moe_enable_deepep", _when(_truthy, "warn", "has no effect: DeepEP dispatch is not supported; megappo uses the alltoall dispatcher")),
-    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (fusions and MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
+    # fused kernels of verl's Megatron recipes (apex / TransformerEngine): megappo runs megatron's unfused paths
+    *((f"*.megatron.override_transformer_config.{k}", _when(_truthy, "warn", FUSION))
+      for k in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                "gradient_accumulation_fusion", "persist_layer_norm")),
+    ("*.megatron.override_transformer_config.deallocate_pipeline_outputs", _when(_truthy, "warn", "has no effect: megappo keeps megatron's default (a stage's output stays allocated until its backward pass: the in-flight micro-batches' activations of one layer width)")),
+    ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired; megappo keeps an idle role's optimizer state in host memory with <section>.megatron.optimizer_offload=true")),
     ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
     # verl's multi-turn keys megappo has no setting for: verl's default value is what megappo does
@@ -109,7 +120,8 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's multi-turn settings are enable, max_assistant_turns, max_user_turns, max_parallel_calls, max_tool_response_length, tool_response_truncate_side, tool_config_path, function_tool_path and format")),
     ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),
     ("reward_model.overlong_buffer.log", lambda v: None),   # megappo always logs the penalty's batch metrics
-    ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported under this name: DAPO's overlong penalty is reward_model.overlong_buffer.* here (enable, len, penalty_factor)")),
+    ("reward_model.reward_kwargs.overlong_buffer_cfg.log", lambda v: None),   # (the same)
+    ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported: DAPO's overlong penalty takes enable, len, penalty_factor and log (reward_model.overlong_buffer.* here)")),
     ("reward_model.reward_kwargs.*", _always("error", "is not supported: megappo's scorers take no extra arguments")),
     # FSDP: say which megatron key replaces the setting
     ("*.fsdp_config.param_offload", _always("error", MEGATRON_ONLY.replace("(the layout:", "(the same setting: <section>.megatron.param_offload; the layout:"))),

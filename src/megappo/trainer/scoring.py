@@ -63,7 +63,7 @@ class Scorer:
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
             tls, metrics = algo.overlong_penalty(tls, batch.valid_mask,
-                                                 max_response_length=self.cfg.data.max_response_length,
+                                                 max_response_length=ob.max_resp_len or self.cfg.data.max_response_length,
                                                  buffer_len=ob.len, penalty_factor=ob.penalty_factor)
         self.check_finite("reward", scores=tls)
         per_sample["seq_reward"] = per_sample["seq_final_reward"] = tls.sum(-1)
