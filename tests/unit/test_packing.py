@@ -145,3 +145,42 @@ def test_packing_keeps_the_sequence_load_balancing_loss_per_sequence(capsys):
                           (["aux_loss", "seq_aux_loss"], [0.01, 0.0])):
         assert packing(True, moe(types, coeffs), "x") is True, (types, coeffs)
     assert capsys.readouterr().out == ""
+
+
+def test_packed_attention_reads_the_row_layout_once_per_forward():
+    """megappo's packed attention equals causal attention per sequence (computed here without the
+    module); the row's bounds are read once for every layer sharing a forward's PackedSeqParams
+    (no device-to-host copy per layer on a GPU), and again for new params."""
+    import math
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megappo.models import SdpaCoreAttention
+
+    g = torch.Generator().manual_seed(0)
+    lengths, heads, groups, d = [3, 1, 6], 4, 2, 8
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, groups, groups))
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    layers = [SdpaCoreAttention(SimpleNamespace(kv_channels=d, context_parallel_size=1)) for _ in range(2)]
+    outs = [a(q, k, v, attn_mask_type=AttnMaskType.causal, packed_seq_params=params) for a in layers]
+    bounds = params._megappo_layout[2]
+    assert bounds == [0, 3, 4, 10] and torch.equal(outs[0], outs[1])
+    layers[0](q, k, v, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+    assert params._megappo_layout[2] is bounds   # read once, reused by every later layer
+    want = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        kk, vv = (x[a:b].repeat_interleave(heads // groups, dim=1) for x in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], kk) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(b - a, b - a).triu(1).bool(), float("-inf"))
+        want.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+    assert torch.allclose(outs[0], torch.cat(want).reshape(t, 1, heads * d), atol=1e-6)
+    other = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 10], dtype=torch.int32),
+                            cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                            max_seqlen_q=10, max_seqlen_kv=10)
+    layers[1](q, k, v, attn_mask_type=AttnMaskType.causal, packed_seq_params=other)
+    assert other._megappo_layout[2] == [0, 10]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Optional
 
 import torch
 
@@ -168,12 +169,10 @@ class SdpaCoreAttention(torch.nn.Module):
         causal mask of their positions in it."""
         if params.qkv_format != "thd":
             raise ValueError(f"SdpaCoreAttention: packed sequences in format {params.qkv_format!r}; megappo packs 'thd'")
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu.tolist()
+        bounds, order = self._packed_layout(params, query.device)
         if self.cp > 1:
-            from .context_parallel import gather_kv, natural_order, packed_local_positions
+            from .context_parallel import gather_kv
 
-            order = natural_order([packed_local_positions(bounds, self.cp, r) for r in range(self.cp)]).to(query.device)
             key, value = gather_kv(key, self.cp_group, order), gather_kv(value, self.cp_group, order)
         outs, held = [], 0
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -188,6 +187,23 @@ class SdpaCoreAttention(torch.nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
             outs.append(out[0].permute(1, 0, 2))
         return torch.cat(outs).reshape(query.shape[0], 1, -1)
+
+    def _packed_layout(self, params, device) -> tuple[list, Optional[torch.Tensor]]:
+        """(the row's sequence bounds, the CP ranks' gathered tokens in natural order (None
+        without CP)), read once per forward: the same ``params`` reach every layer of a forward
+        (and its recomputation), so the bounds' device-to-host copy and the order's sort are not
+        repeated per layer. Kept on ``params`` with the tensor they were read from."""
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        layout = getattr(params, "_megappo_layout", None)
+        if layout is None or layout[0] is not cu or layout[1] != (self.cp, device):
+            bounds, order = cu.tolist(), None
+            if self.cp > 1:
+                from .context_parallel import natural_order, packed_local_positions
+
+                order = natural_order([packed_local_positions(bounds, self.cp, r) for r in range(self.cp)]).to(device)
+            layout = (cu, (self.cp, device), bounds, order)
+            params._megappo_layout = layout
+        return layout[2], layout[3]
 
     def _cp_causal_mask(self, seq_len: int, device) -> torch.Tensor:
         """[s_local, S] True where this rank's query may attend to a key: at or before its
