@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from megappo import config as C
-from megappo.config import ConfigError, load_config, validate
+from megappo.config import ConfigError, PPOConfig, load_config, validate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -269,6 +269,48 @@ def test_yaml_nested_dotted_and_override_order(tmp_path):
     assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
     assert cfg.actor_rollout_ref.actor.optim.weight_decay == 0.0
     assert cfg.trainer.logger == ["console"]
+
+
+def test_mapping_keys_take_verls_forms(tmp_path):
+    """A mapping key (arguments handed on: data.apply_chat_template_kwargs,
+    custom_reward_function.reward_kwargs) is set whole, entry by entry (values typed as YAML reads
+    them, nested entries made on the way) or from files, which merge as Hydra's do; it travels in the
+    saved YAML; a value that is not a mapping, or an entry under a plain value, names the key."""
+    f = tmp_path / "p.yaml"
+    f.write_text("data:\n  apply_chat_template_kwargs: {enable_thinking: true, a: 1}\n"
+                 "custom_reward_function.reward_kwargs:\n  scale: 2\n")
+    g = tmp_path / "q.yaml"
+    g.write_text("data:\n  apply_chat_template_kwargs:\n    a: 2\n")
+    cfg = load_config(["data.apply_chat_template_kwargs.enable_thinking=False",
+                       "custom_reward_function.reward_kwargs.opts.mode=strict",
+                       "+custom_reward_function.reward_kwargs.opts.n=3"], [str(f), str(g)])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False, "a": 2}
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 2, "opts": {"mode": "strict", "n": 3}}
+    cfg = load_config(["custom_reward_function.reward_kwargs={x: [1, 2], y: null}"])
+    assert cfg.custom_reward_function.reward_kwargs == {"x": [1, 2], "y": None}
+    assert PPOConfig().data.apply_chat_template_kwargs == {} and PPOConfig().data.apply_chat_template_kwargs \
+        is not PPOConfig().data.apply_chat_template_kwargs                 # no default shared between configs
+    again = load_config([], [str(_saved(tmp_path, cfg))])
+    assert again.custom_reward_function.reward_kwargs == {"x": [1, 2], "y": None}
+    for override, fragment in (("data.apply_chat_template_kwargs=3", "expected a mapping"),
+                               ("data.apply_chat_template_kwargs=[a]", "expected a mapping"),
+                               ("custom_reward_function.reward_kwargs.x=1", None)):
+        if fragment is None:
+            load_config([override])
+            continue
+        with pytest.raises(ConfigError) as ei:
+            load_config([override])
+        assert ei.value.errors[0][0] == override.split("=")[0] and fragment in ei.value.errors[0][1]
+    with pytest.raises(ConfigError, match="custom_reward_function.reward_kwargs.x.y: 'x' holds a value"):
+        load_config(["custom_reward_function.reward_kwargs.x=1", "custom_reward_function.reward_kwargs.x.y=2"])
+
+
+def _saved(tmp_path, cfg):
+    from megappo.config.parse import to_yaml
+
+    out = tmp_path / "saved.yaml"
+    out.write_text(to_yaml(cfg))
+    return out
 
 
 def test_yaml_errors_name_file_and_key(tmp_path):

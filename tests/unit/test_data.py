@@ -38,6 +38,23 @@ def test_word_tokenizer_and_chat_template(tok, tmp_path):
     assert tokenize_prompt(again, [{"role": "user", "content": "echo: red blue"}]) == ids
 
 
+def test_chat_template_kwargs_render_every_prompt(tok, tmp_path):
+    """data.apply_chat_template_kwargs reach the template for every row (and its length check)."""
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.chat_template = ("{% for m in messages %}<|user|> {{ m.content }} {% endfor %}<|assistant|>"
+                       "{% if style is defined %} {{ style }}{% endif %}")
+    path = write(tmp_path / "a.parquet", [row("echo: red"), row("echo: blue", "blue")])
+    plain = PromptDataset(path, t, max_prompt_length=16)
+    styled = PromptDataset(path, t, max_prompt_length=16, chat_template_kwargs={"style": "red"})
+    red = t.convert_tokens_to_ids("red")
+    assert [it.prompt_ids + [red] for it in plain] == [it.prompt_ids for it in styled]
+    PromptDataset(path, t, max_prompt_length=5)
+    with pytest.raises(DataError, match="prompt is 6 tokens, longer than data.max_prompt_length=5"):
+        PromptDataset(path, t, max_prompt_length=5, chat_template_kwargs={"style": "red"})
+
+
 def test_files_concatenated_in_order(tok, tmp_path):
     a = write(tmp_path / "a.parquet", [row("echo: red"), row("echo: blue", "blue")])
     b = write(tmp_path / "b.parquet", [row("echo: gold", "gold")])

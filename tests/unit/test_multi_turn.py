@@ -128,14 +128,101 @@ def test_the_tool_turn_delta_starts_with_the_templates_newline_after_eos(tok):
                                  "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
+# Qwen3's chat template, the parts that matter here (written for this test): an assistant turn after
+# the last user query keeps a thinking block only when it is the last message or has reasoning, so a
+# turn the model ended renders differently once tool messages follow it; enable_thinking=false puts
+# an empty thinking block after the generation prompt.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query=messages|length - 1, seen=false) %}"
+    "{%- for m in messages[::-1] %}{%- if not ns.seen and m.role == 'user' %}"
+    "{%- set ns.seen = true %}{%- set ns.last_query = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture
+def qwen3_tok(tok):
     import copy
 
-    odd = copy.deepcopy(tok)
-    odd.chat_template = ("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}[last]{% endif %}"
-                         "{{ m.content }}<|im_end|>{% endfor %}")
-    with pytest.raises(ValueError, match="no token-exact continuation"):
-        ToolTurnTokens(odd, [odd.eos_token_id])(["x"])
+    t = copy.deepcopy(tok)
+    t.chat_template = QWEN3_TEMPLATE
+    return t
+
+
+def test_qwen3s_template_continues_the_tokens_the_model_wrote(qwen3_tok):
+    """Qwen3's template drops a finished turn's empty thinking block once tool messages follow:
+    the sample keeps the model's own tokens (verl's use_inference_chat_template=False) and appends
+    what the template puts after the turn's EOS; the first turn's thinking stays in the sequence."""
+    tok = qwen3_tok
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    assert "<think>" in tok.apply_chat_template(base, tokenize=False)                      # the last turn keeps it,
+    assert "<think>" not in tok.apply_chat_template(base + [{"role": "tool", "content": "4"}], tokenize=False)  # then not
+    delta = ToolTurnTokens(tok, [tok.eos_token_id])(["4", "5"])
+    assert tok.decode(delta) == ("\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n5\n"
+                                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    script = [["<think>\nneed a tool\n</think>\n\n" + call("12*7"), "<think>\n\n</think>\n\nIt is 84."]]
+    (s,), _, _, prompts = run(tok, script, ["What is 12*7?"])
+    eos = [tok.eos_token_id]
+    assert s.prompt_ids + s.response_ids == (prompts[0] + enc(tok, script[0][0]) + eos
+                                             + ToolTurnTokens(tok, eos)(["84"]) + enc(tok, script[0][1]) + eos)
+    assert s.stop == "no_tool_call" and s.user_turns == 1
+    assert "need a tool" in tok.decode(s.response_ids)       # not re-rendered away
+
+
+def test_chat_template_kwargs_reach_the_next_assistant_header(qwen3_tok):
+    """data.apply_chat_template_kwargs (Qwen3's enable_thinking=false): the header after a tool or
+    user turn is the one the prompts were rendered with."""
+    from megappo.data import tokenize_prompt
+
+    tok, eos = qwen3_tok, [qwen3_tok.eos_token_id]
+    off = {"enable_thinking": False}
+    prompt = tokenize_prompt(tok, [{"role": "user", "content": "q"}], chat_template_kwargs=off)
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    header = enc(tok, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for role in ("tool", "user"):
+        with_kw, without = ToolTurnTokens(tok, eos, off)(["x"], role=role), ToolTurnTokens(tok, eos)(["x"], role=role)
+        assert with_kw[-len(header):] == header and with_kw[:-len(header)] == without[:-len(enc(tok, "<|im_start|>assistant\n"))]
+    assert tok.decode(ToolTurnTokens(tok, eos)(["hi"], role="user")) == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_cannot_place_a_tool_turn_is_refused(tok):
+    import copy
+
+    def with_template(text):
+        t = copy.deepcopy(tok)
+        t.chat_template = text
+        return t
+
+    alternating = with_template("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('Conversation roles "
+                                "must alternate user/assistant') }}{% endif %}{{ m.content }}<|im_end|>{% endfor %}")
+    with pytest.raises(ValueError, match="cannot render a 'tool' message after an assistant turn .*must alternate"):
+        ToolTurnTokens(alternating, [tok.eos_token_id])
+    ToolTurnTokens(alternating, [tok.eos_token_id], roles=("user",))      # a user turn still has its place
+    silent = with_template("{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}<|im_end|>{% endif %}"
+                           "{% endfor %}")
+    with pytest.raises(ValueError, match="leaves 'tool' messages out of what it renders after an assistant turn"):
+        ToolTurnTokens(silent, [tok.eos_token_id])
+    no_eos = with_template("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")   # the model's EOS unseen
+    assert tok.decode(ToolTurnTokens(no_eos, [tok.eos_token_id])(["x"])) == "[tool]x"
+    no_eos_last = with_template("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match="writes no EOS token and renders the earlier turns differently"):
+        ToolTurnTokens(no_eos_last, [tok.eos_token_id])
 
 
 @pytest.mark.parametrize("kw, stop, turns", [

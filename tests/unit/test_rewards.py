@@ -97,6 +97,26 @@ def test_custom_reward_function(tmp_path):
         load_custom_reward(str(bad))
 
 
+def test_reward_kwargs_reach_every_call_and_are_checked_first(tmp_path):
+    """custom_reward_function.reward_kwargs: passed on every call beside the four arguments, as
+    verl's; a name the function cannot take is an error at load time, naming the key."""
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=0.0):\n"
+                 "    return scale * float(solution_str == ground_truth) + bonus\n"
+                 "def open_ended(data_source, solution_str, ground_truth, extra_info, **kw):\n"
+                 "    return float(kw['weight'])\n")
+    fn = load_custom_reward(str(f), reward_kwargs={"scale": 2.0, "bonus": 0.25})
+    assert score_batch(["d", "d"], ["a", "b"], ["a", "a"], custom=fn) == [2.25, 0.25]
+    assert score_batch(["d"], ["a"], ["a"], custom=load_custom_reward(str(f))) == [1.0]
+    assert score_batch(["d"], ["a"], ["a"], custom=load_custom_reward(str(f), "open_ended", {"weight": 3})) == [3.0]
+    assert f"{f}:compute_score" == fn.megappo_origin
+    with pytest.raises(RewardFunctionError, match=r"custom_reward_function.reward_kwargs: .*compute_score cannot take "
+                                                  r"\['scale', 'typo'\].*'typo'"):
+        load_custom_reward(str(f), reward_kwargs={"scale": 2.0, "typo": 1})
+    with pytest.raises(RewardFunctionError, match="cannot take \\['extra_info'\\]"):
+        load_custom_reward(str(f), reward_kwargs={"extra_info": {}})     # one of the four: given twice
+
+
 def test_words_task():
     rows = synthetic.make_words_rows(40, seed=2)
     assert {r["reward_model"]["ground_truth"] for r in rows} == set(synthetic.CATEGORIES)

@@ -27,6 +27,8 @@ def _short_type(tp: Any) -> str:
         return " or ".join(_short_type(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
     if origin is list:
         return f"list[{_short_type(typing.get_args(tp)[0])}]"
+    if tp is dict or origin is dict:
+        return "mapping"
     return getattr(tp, "__name__", str(tp))
 
 

@@ -35,6 +35,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is dict or origin is dict:
+        return "a mapping ({key: value, ...})"
     return {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}.get(tp, str(tp))
 
 
@@ -60,6 +62,8 @@ def _coerce(value: Any, tp: Any, from_text: bool) -> Any:
         return v
     if origin is list:
         return _coerce_list(value, tp, from_text)
+    if tp is dict or origin is dict:
+        return _coerce_mapping(value, from_text)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -107,6 +111,48 @@ def _coerce_list(value: Any, tp: Any, from_text: bool) -> list:
     return out
 
 
+def _plain(value: Any, where: str) -> Any:
+    """``value`` if it is plain data (what YAML and JSON hold), else ValueError naming ``where``."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    raise ValueError(f"{where}: expected plain data (strings, numbers, booleans, null, lists, mappings), "
+                     f"got {type(value).__name__}")
+
+
+def _coerce_mapping(value: Any, from_text: bool) -> dict:
+    """A mapping field (arguments handed on to another library): ``{a: 1}`` text (YAML) or a YAML
+    mapping; null is the empty mapping. Its entries are set one by one as ``<key>.<entry>=value``."""
+    if isinstance(value, str) and from_text:
+        try:
+            value = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"cannot parse {value!r} as a mapping: {e}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping ({{key: value, ...}}), got {value!r}")
+    return _plain(value, "value")
+
+
+def _entry_of_mapping(cfg: PPOConfig, path: str) -> Optional[tuple[dict, list[str]]]:
+    """For ``<mapping key>.<entry>[.<entry>...]``: (the mapping field's dict, the entry's path in
+    it); None when no leading part of ``path`` is a mapping field."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj, name, tp = _locate(cfg, ".".join(parts[:i]))
+        except KeyError:
+            continue
+        if tp is dict or typing.get_origin(tp) is dict:
+            return getattr(obj, name), parts[i:]
+        return None
+    return None
+
+
 def _coerce_number(value: Any, tp: Any, from_text: bool):
     """An int or float field (booleans are not numbers; NaN is refused)."""
     if tp is int:
@@ -139,7 +185,24 @@ def _coerce_number(value: Any, tp: Any, from_text: bool):
 
 
 def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:
-    obj, name, tp = _locate(cfg, path)
+    try:
+        obj, name, tp = _locate(cfg, path)
+    except KeyError:
+        entry = _entry_of_mapping(cfg, path)
+        if entry is None:
+            raise
+        mapping, keys = entry
+        if from_text and isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else ""
+            except yaml.YAMLError:
+                value = value.strip()
+        for k in keys[:-1]:
+            mapping = mapping.setdefault(k, {})
+            if not isinstance(mapping, dict):
+                raise ValueError(f"'{k}' holds a value, not a mapping") from None
+        mapping[keys[-1]] = _plain(value, "value")
+        return
     if _is_section(tp):
         if isinstance(value, dict):
             apply_mapping(cfg, value, prefix=path + ".")
@@ -209,6 +272,8 @@ def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optio
             if _is_section(tp) and isinstance(v, dict):
                 apply_mapping(cfg, v, prefix=path + ".", errors=errors, set_paths=set_paths, warnings=warnings)
                 continue
+            if (tp is dict or typing.get_origin(tp) is dict) and isinstance(v, dict):   # files merge, as Hydra's
+                v = {**getattr(obj, name), **v}
             _set(cfg, path, verl_keys.substitute(path, v, warnings), from_text=False)
             if set_paths is not None:
                 set_paths.append(path)
@@ -439,6 +504,8 @@ def to_dict(cfg: Any) -> dict:
             out[f.name] = to_dict(v)
         elif isinstance(v, Ref):
             out[f.name] = str(v)
+        elif isinstance(v, dict):
+            out[f.name] = dict(v)
         else:
             out[f.name] = list(v) if isinstance(v, (list, tuple)) else v
     return out

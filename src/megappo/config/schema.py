@@ -60,6 +60,7 @@ class DataConfig:
     shuffle: bool = _f(True, "Shuffle the training prompts every epoch.")
     seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
     return_raw_chat: bool = _f(True, "Keep each prompt's chat messages, unrendered, beside its token ids (verl's key and default; false saves their memory). Multi-turn rollouts with tools need them (the chat template is applied with the tool schemas), so multi_turn.enable requires true; single-turn rollouts and the reward model do not read them (the reward model shares the actor's tokenizer: no chat re-templating).")
+    apply_chat_template_kwargs: dict = _f({}, "Keyword arguments of the tokenizer's apply_chat_template wherever megappo renders a chat (prompts, their length check, multi-turn tool and user turns), e.g. {enable_thinking: false} for Qwen3 (verl's key); entries set one by one as data.apply_chat_template_kwargs.<name>=value.")
 
 
 @dataclass
@@ -354,6 +355,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = _f(None, "Python file with your reward function (verl's custom_reward_function); null uses the built-in rewards by data_source.")
     name: str = _f("compute_score", "Function in that file, called as fn(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}.")
+    reward_kwargs: dict = _f({}, "Extra keyword arguments of that function, passed on every call as verl passes them (e.g. {format_score: 0.1}); each must be a parameter of the function (or it takes **kwargs), checked before the run starts.")
 
 
 @dataclass

@@ -132,10 +132,12 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         raise DataError(f"{where}: field 'ability' must be a string or null, got {_kind(ability)}")
 
 
-def tokenize_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+def tokenize_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None,
+                    chat_template_kwargs: Optional[dict] = None) -> list[int]:
     """The prompt as the chat template renders it; with ``tools`` (OpenAI function schemas) the
-    template describes them to the model, as verl's agent loop renders multi-turn prompts."""
-    kw = {} if tools is None else {"tools": tools}
+    template describes them to the model, as verl's agent loop renders multi-turn prompts.
+    ``chat_template_kwargs``: data.apply_chat_template_kwargs (e.g. Qwen3's enable_thinking)."""
+    kw = dict(chat_template_kwargs or {}, **({} if tools is None else {"tools": tools}))
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     return [int(i) for i in ids]
@@ -146,7 +148,8 @@ MAX_CHARS_PER_TOKEN = 24  # real tokenizers give ~2-6 characters of text per tok
 MAX_UNK_SHARE = 0.5
 
 
-def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: str) -> None:
+def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: str,
+                        chat_template_kwargs: Optional[dict] = None) -> None:
     """Catch a tokenizer that does not fit the data: text that becomes (almost) no tokens beyond
     the chat template's, or mostly unknown tokens. transformers may load a folder with another
     tokenizer class than its tokenizer.json describes (e.g. Qwen2Tokenizer with its byte-level
@@ -155,7 +158,7 @@ def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: 
     chars = sum(len(t.strip()) for t in text)
     if chars < 8:
         return
-    blank = tokenize_prompt(tokenizer, [dict(m, content="") for m in messages])
+    blank = tokenize_prompt(tokenizer, [dict(m, content="") for m in messages], chat_template_kwargs=chat_template_kwargs)
     content = len(ids) - len(blank)
     name = type(tokenizer).__name__
     if content * MAX_CHARS_PER_TOKEN < chars:
@@ -173,12 +176,13 @@ def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: 
 
 class PromptDataset:
     """All rows of the given files, in order, tokenized (with ``tools``: the tool schemas the chat
-    template describes, multi-turn rollouts); overlong prompts filtered or truncated.
+    template describes, multi-turn rollouts; ``chat_template_kwargs``: the template's other
+    arguments); overlong prompts filtered or truncated.
     The first rows of each file also check that the tokenizer fits the text (_check_tokenization)."""
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
                  filter_overlong_prompts: bool = False, truncation: str = "error", return_raw_chat: bool = False,
-                 tools: Optional[list[dict]] = None):
+                 tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None):
         if truncation not in ("error", "left", "right", "middle"):
             raise ValueError(f"data.truncation must be error, left, right or middle, got {truncation!r}")
         files = [files] if isinstance(files, str) else list(files)
@@ -191,9 +195,9 @@ class PromptDataset:
             for r, row in enumerate(read_rows(path)):
                 where = f"{path}, row {r}"
                 _check_row(row, where, prompt_key)
-                ids = tokenize_prompt(tokenizer, row[prompt_key], tools)
+                ids = tokenize_prompt(tokenizer, row[prompt_key], tools, chat_template_kwargs)
                 if r < SANITY_ROWS:
-                    _check_tokenization(tokenizer, row[prompt_key], ids, where)
+                    _check_tokenization(tokenizer, row[prompt_key], ids, where, chat_template_kwargs)
                 truncated = False
                 if len(ids) > max_prompt_length:
                     if filter_overlong_prompts:

@@ -1,6 +1,7 @@
 """Rule rewards keyed by ``data_source`` (verl's names), and users' own reward functions."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -81,10 +82,11 @@ def get_reward_fn(data_source: str) -> Callable:
                        "or set custom_reward_function.path") from None
 
 
-def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
+def load_custom_reward(path: str, name: str = "compute_score", reward_kwargs: Optional[dict] = None) -> Callable:
     """Load ``name`` from a Python file, as verl's custom_reward_function does. The function is
-    called as fn(data_source, solution_str, ground_truth, extra_info) and returns a float or a
-    dict with a "score" entry."""
+    called as fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs) and returns
+    a float or a dict with a "score" entry. ``reward_kwargs`` (custom_reward_function.reward_kwargs)
+    must fit its signature: checked here, before any sample is scored."""
     p = os.path.expanduser(path)
     if not os.path.isfile(p):
         raise FileNotFoundError(f"custom_reward_function.path: file not found: {path}")
@@ -100,8 +102,21 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
     params = inspect.signature(fn).parameters
     if len(params) < 4 and not any(q.kind == q.VAR_POSITIONAL or q.kind == q.VAR_KEYWORD for q in params.values()):
         raise RewardFunctionError(f"{path}:{name} must accept (data_source, solution_str, ground_truth, extra_info)")
+    if reward_kwargs:
+        try:
+            inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {}, **reward_kwargs)
+        except TypeError as e:
+            raise RewardFunctionError(f"custom_reward_function.reward_kwargs: {path}:{name} cannot take "
+                                      f"{sorted(reward_kwargs)} after (data_source, solution_str, ground_truth, "
+                                      f"extra_info): {e}") from None
+        fn = functools.partial(fn, **reward_kwargs)
     fn.megappo_origin = f"{path}:{name}"
     return fn
+
+
+def _origin(fn: Callable) -> str:
+    """Where a reward function came from, for messages (a partial has no __name__)."""
+    return getattr(fn, "megappo_origin", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
 def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None,
@@ -117,7 +132,7 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
     out = []
     for i, (ds, sol, gt, extra) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
         if custom is not None:
-            fn, where, args = custom, getattr(custom, "megappo_origin", custom.__name__), (ds, sol, gt, extra)
+            fn, where, args = custom, _origin(custom), (ds, sol, gt, extra)
         else:
             try:
                 fn = get_reward_fn(ds)

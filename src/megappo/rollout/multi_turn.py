@@ -74,28 +74,62 @@ def _ids(rendered: Any) -> list[int]:
 
 class ToolTurnTokens:
     """The token ids the chat template puts after an assistant turn the model ended with EOS:
-    the tool messages and the next assistant header.
+    the tool messages (or, with ``role="user"``, a user's message) and the next assistant header.
 
-    They are the difference between the template's rendering of a short conversation with and
-    without the tool messages; the template's tokens after the assistant's EOS (Qwen's '\\n') come
-    first, since the model stops at its EOS and never writes them.
+    They are what the template renders after the assistant's EOS in a short conversation
+    (a user turn, an assistant turn, the new messages, the generation prompt): the template's
+    tokens after that EOS (Qwen's '\\n', which the model never writes) come first. Earlier turns
+    may render differently once messages follow (Qwen3's template drops an earlier turn's empty
+    thinking block): the sample keeps the tokens the model produced and saw, as verl's agent loop
+    (``use_inference_chat_template=False``), so only the delta is taken from the template.
+    ``chat_template_kwargs``: ``data.apply_chat_template_kwargs`` (e.g. ``enable_thinking``),
+    so the next assistant header is the one the prompts were rendered with.
     """
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], chat_template_kwargs: Optional[dict] = None,
+                 roles: Sequence[str] = ("tool",)):
         self.tokenizer, self.eos = tokenizer, set(int(t) for t in eos_token_ids)
+        self.kwargs = dict(chat_template_kwargs or {})
         self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        base = _ids(tokenizer.apply_chat_template(self._base, tokenize=True))
-        ends = [i for i, t in enumerate(base) if t in self.eos]
-        self._base_ids, self._after_eos = base, (base[ends[-1] + 1:] if ends else [])
+        base = _ids(tokenizer.apply_chat_template(self._base, tokenize=True, **self.kwargs))
+        self._base_ids = base
+        # EOS tokens up to the assistant's, included; a template that writes none (the model's EOS
+        # ends its turn unseen, e.g. megappo's tiny one) must render the short conversation as a prefix
+        self._turn_end = sum(1 for t in base if t in self.eos)
+        self._checked_roles: set = set()
+        for role in roles:    # checked now, before any work; other roles on their first use
+            self._check(role)
 
-    def __call__(self, texts: list[str]) -> list[int]:
-        msgs = self._base + [{"role": "tool", "content": t} for t in texts]
-        full = _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
-        n = len(self._base_ids)
-        if full[:n] != self._base_ids:
-            raise ValueError("the chat template renders the earlier turns differently once tool messages follow, "
-                             "so a tool turn has no token-exact continuation with this template")
-        return self._after_eos + full[n:]
+    def _check(self, role: str) -> None:
+        """Refuse a template whose rendering of a ``role`` message is not where the delta is taken."""
+        self._checked_roles.add(role)
+        try:
+            one, two = self(["x"], role=role), self(["x", "x"], role=role)
+        except ValueError:
+            raise
+        except Exception as e:   # jinja's raise_exception: e.g. roles must alternate, no tool role
+            raise ValueError(f"the chat template cannot render a {role!r} message after an assistant turn "
+                             f"({type(e).__name__}: {e})") from None
+        if len(two) <= len(one):
+            raise ValueError(f"the chat template leaves {role!r} messages out of what it renders after an assistant "
+                             f"turn (one message and two render as {len(one)} and {len(two)} tokens)")
+
+    def __call__(self, texts: list[str], role: str = "tool") -> list[int]:
+        if role not in self._checked_roles:
+            self._check(role)
+        msgs = self._base + [{"role": role, "content": t} for t in texts]
+        full = _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True,
+                                                       **self.kwargs))
+        if not self._turn_end:
+            if full[:len(self._base_ids)] != self._base_ids:
+                raise ValueError("the chat template writes no EOS token and renders the earlier turns differently once "
+                                 "messages follow, so the turn has no token-exact continuation with this template")
+            return full[len(self._base_ids):]
+        ends = [i for i, t in enumerate(full) if t in self.eos]
+        if len(ends) < self._turn_end:
+            raise ValueError("the chat template ends fewer turns with EOS once messages follow an assistant turn, "
+                             "so the turn has no token-exact continuation with this template")
+        return full[ends[self._turn_end - 1] + 1:]
 
 
 def tool_runner(multi_turn: MultiTurnConfig, *, timeout_s: float = 60.0, max_workers: int = 8,

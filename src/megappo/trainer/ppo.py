@@ -58,12 +58,13 @@ class PPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Data and the reward function first: a bad row or a broken reward file is reported in
         # seconds, before vLLM starts and the models are built.
-        custom_reward = (load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-                         if cfg.custom_reward_function.path else None)
+        crf = cfg.custom_reward_function
+        custom_reward = load_custom_reward(crf.path, crf.name, crf.reward_kwargs) if crf.path else None
         self.tools = tool_runner_of(cfg)   # multi-turn: the tools, built once (None: one turn)
         ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                  return_raw_chat=d.return_raw_chat, tools=list(self.tools.schemas.values()) if self.tools else None)
+                  return_raw_chat=d.return_raw_chat, tools=list(self.tools.schemas.values()) if self.tools else None,
+                  chat_template_kwargs=d.apply_chat_template_kwargs)
         self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
         self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
         self.last_step = self.total_steps()   # fit() sets the run's last step

@@ -89,7 +89,7 @@ class MultiTurnRollout:
         rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.runner = replica_tools(runner, rank, world, rtp)
         self.loop = loop_settings(cfg.actor_rollout_ref.rollout.multi_turn)
-        self.tool_turn = ToolTurnTokens(tokenizer, engine.eos_token_ids)
+        self.tool_turn = ToolTurnTokens(tokenizer, engine.eos_token_ids, cfg.data.apply_chat_template_kwargs)
         # the parser reads the model's text as the template wrote it: <tool_call> may be a special token
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
