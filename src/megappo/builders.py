@@ -17,15 +17,42 @@ from megappo.config import MegatronConfig, OptimConfig, PPOConfig, RefMegatronCo
 
 
 # vLLM's start (weights, compilation, CUDA graphs) may hold the interpreter for minutes
+def import_external_lib(cfg: PPOConfig) -> None:
+    """actor_rollout_ref.model.external_lib: imported before anything is loaded, so the classes
+    it registers with transformers exist."""
+    import importlib
+
+    name = cfg.actor_rollout_ref.model.external_lib
+    if name:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            raise ImportError(f"actor_rollout_ref.model.external_lib: importing {name!r} failed: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def load_tokenizer(cfg: PPOConfig):
+    """The actor's tokenizer (model.path), as data.trust_remote_code allows, with
+    actor_rollout_ref.model.custom_chat_template in place of its own when set."""
+    from transformers import AutoTokenizer
+
+    m = cfg.actor_rollout_ref.model
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(m.path), trust_remote_code=cfg.data.trust_remote_code)
+    if m.custom_chat_template is not None:
+        tokenizer.chat_template = m.custom_chat_template
+    return tokenizer
+
+
 @watchdog.in_phase("engine_start", watchdog.SLOW)
 def build_engine(cfg: PPOConfig):
     """The rollout engine (actor_rollout_ref.rollout), loaded with dummy weights: the first
     weight sync fills them from the actor."""
-    from megappo.rollout import VLLMRollout, engine_failure
+    from megappo.rollout import VLLMRollout, engine_failure, vllm_engine_kwargs
 
     arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     ro = arr.rollout
     engines = {"vllm": VLLMRollout}  # rollout.name (validated: vllm only today)
+    vllm_engine_kwargs(ro.engine_kwargs.vllm, d.max_prompt_length + d.max_response_length)   # named, before the start
     try:
         return engines[ro.name](
             os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
@@ -33,7 +60,8 @@ def build_engine(cfg: PPOConfig):
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             gpu_memory_utilization=ro.gpu_memory_utilization,
             enforce_eager=enforce_eager(cfg),
-            free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed, lora_rank=engine_lora_rank(cfg))
+            free_cache_engine=ro.free_cache_engine, seed=arr.actor.megatron.seed, lora_rank=engine_lora_rank(cfg),
+            engine_kwargs=ro.engine_kwargs.vllm, trust_remote_code=arr.model.trust_remote_code)
     except Exception as e:   # named: the phase, and the memory settings when memory ran out
         raise engine_failure("its start", e, ro.gpu_memory_utilization) from e
 
@@ -49,7 +77,8 @@ def engine_lora_rank(cfg: PPOConfig) -> int:
     spec = lora_spec_from_config(cfg.actor_rollout_ref.model)
     if spec is None or spec.rank > VLLM_MAX_LORA_RANK:
         return 0
-    return 0 if getattr(load_hf_config(cfg.actor_rollout_ref.model.path), "num_experts", 0) else spec.rank
+    m = cfg.actor_rollout_ref.model
+    return 0 if getattr(load_hf_config(m.path, m.trust_remote_code), "num_experts", 0) else spec.rank
 
 
 def enforce_eager(cfg: PPOConfig) -> bool:
@@ -60,7 +89,7 @@ def enforce_eager(cfg: PPOConfig) -> bool:
 
 def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatronConfig, *, value_head: bool,
                 device: torch.device, checkpointing: bool = False, section: Optional[str] = None, lora=None,
-                lora_adapter_path: Optional[str] = None):
+                lora_adapter_path: Optional[str] = None, trust_remote_code: bool = False):
     """One role's megatron model from its HF folder and its megatron section ``mc`` (the layout
     equals the actor's, validated; sequence parallelism, the seed and recomputation are the
     role's; ``checkpointing``: its model section's enable_gradient_checkpointing). The weights
@@ -76,7 +105,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     from megappo.models import describe, load_hf_config, transformer_config
 
     path = os.path.expanduser(model_path)
-    info = describe(load_hf_config(path), tp=mc.tensor_model_parallel_size, value_head=value_head)
+    info = describe(load_hf_config(path, trust_remote_code), tp=mc.tensor_model_parallel_size, value_head=value_head)
     moe = info.desc.num_experts > 0   # a dense role beside an MoE actor ignores the expert layout
     tcfg = transformer_config(info, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                               vpp=mc.virtual_pipeline_model_parallel_size, sequence_parallel=mc.sequence_parallel,
@@ -207,6 +236,7 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
 
     arr = cfg.actor_rollout_ref
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device,
+                                     trust_remote_code=arr.model.trust_remote_code,
                                      checkpointing=arr.model.enable_gradient_checkpointing,
                                      section="actor_rollout_ref.actor.megatron",
                                      lora=lora_spec_from_config(arr.model), lora_adapter_path=arr.model.lora_adapter_path)
@@ -230,6 +260,7 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int, actor=Non
     if actor is not None and has_lora(actor.chunks):
         return AdaptersOff(actor)
     info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device,
+                                     trust_remote_code=arr.model.trust_remote_code,
                                      section="actor_rollout_ref.ref.megatron")
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
     ref.set_offload(params=arr.ref.megatron.param_offload)
@@ -248,6 +279,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
 
     c = cfg.critic
     _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
+                                  trust_remote_code=c.model.trust_remote_code,
                                   checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron",
                                   lora=lora_spec_from_config(c.model))
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id, value_mode=c.value_mode,
@@ -264,7 +296,8 @@ def build_reward_model(cfg: PPOConfig, device: torch.device, pad_id: int, tokeni
     rm = cfg.reward_model
     if not rm.enable:
         return None
-    info, tcfg, chunks = build_model(cfg, rm.model.path, cfg.critic.megatron, value_head=True, device=device)
+    info, tcfg, chunks = build_model(cfg, rm.model.path, cfg.critic.megatron, value_head=True, device=device,
+                                     trust_remote_code=rm.model.trust_remote_code)
     if info.desc.vocab_size < len(tokenizer):
         raise ValueError(f"reward_model.model.path: its vocabulary ({info.desc.vocab_size}) is smaller than "
                          f"the actor tokenizer's ({len(tokenizer)}); the reward model must share it")

@@ -15,7 +15,7 @@ import torch
 from megappo.batch import RolloutBatch
 
 __all__ = ["data_metrics", "critic_diagnostics", "CollapseWatch", "Timer", "MetricsLogger", "peak_flops", "mfu",
-           "select_generations"]
+           "select_generations", "generation_records", "dump_generations"]
 
 # Dense bf16 tensor-core peak per GPU in TFLOPS, keyed by words of torch.cuda.get_device_name().
 # NVIDIA's datasheets lead with the 2:4-sparse figure; dense is half of it. One form factor's name
@@ -338,6 +338,48 @@ def select_generations(samples: list, n: int) -> list:
     chosen = sorted(samples, key=lambda x: x[0])
     np.random.RandomState(42).shuffle(chosen)
     return chosen[:n]
+
+
+def generation_records(tokenizer, batch, items, scores, details: Optional[list] = None) -> list[dict]:
+    """One record per sample as verl dumps them (trainer.rollout_data_dir, validation_data_dir):
+    ``input`` (the prompt) and ``output`` (the response, tool turns included) decoded without
+    special tokens, ``gts`` (the row's ground truth), ``score``; then what the reward function
+    returned beside its score (``details``: its dict per sample, or None)."""
+    lengths = batch.response_lengths
+    out = []
+    for i in range(len(batch)):
+        rec = {"input": tokenizer.decode(items[i].prompt_ids, skip_special_tokens=True),
+               "output": tokenizer.decode(batch.responses[i, :int(lengths[i])].tolist(), skip_special_tokens=True),
+               "gts": items[i].ground_truth, "score": float(scores[i])}
+        extra = details[i] if details is not None else None
+        if isinstance(extra, dict):
+            rec.update((k, v) for k, v in extra.items() if k not in rec)
+        out.append(rec)
+    return out
+
+
+def dump_generations(directory: str, step: int, records: list[dict]) -> str:
+    """``<directory>/<step>.jsonl``: one JSON line per record, with its ``step`` (verl's layout;
+    a step written again, after a resume, is replaced). Returns the file's path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            row = {**{k: v for k, v in rec.items() if k in ("input", "output", "gts", "score")}, "step": step,
+                   **{k: v for k, v in rec.items() if k not in ("input", "output", "gts", "score")}}
+            f.write(json.dumps(row, ensure_ascii=False, default=_plain_json) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _plain_json(x):
+    """JSON for what reward functions return beyond plain types (numpy numbers and arrays, tensors)."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
 
 
 def _md(text: str) -> str:

@@ -132,6 +132,63 @@ def _dapo_step(cfg, trainer):
             "kept": rows(kept["batch"]), "metrics": metrics}
 
 
+class Coach:
+    """A simulated user (verl's interaction shape) who never ends the conversation: each model
+    turn is answered 'Try again.' with a turn score of 0.5; it records the messages it read."""
+
+    seen: list = []
+
+    def __init__(self, config):
+        self.config = config
+
+    def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    def generate_response(self, instance_id, messages, **kwargs):
+        Coach.seen.append([dict(m) for m in messages])
+        return False, "Try again.", 0.5, {}
+
+    def finalize_interaction(self, instance_id, **kwargs):
+        pass
+
+
+def _interaction_batch(cfg, trainer, run_dir):
+    """The same world's engine and actor on conversations with an interaction (no tool calls):
+    each model turn answered by a user turn, the engine's log-probs against the actor's."""
+    import copy
+    import dataclasses
+
+    from megappo.rollout import SamplingConfig, ToolTurnTokens
+    from megappo.tools import ToolRunner
+    from megappo.trainer.turns import MultiTurnRollout, interaction_runner_of
+
+    path = Path(run_dir) / "interaction.yaml"
+    path.write_text("interaction:\n  - name: coach\n    class_name: test_multi_turn_run.Coach\n")
+    cfg = copy.deepcopy(cfg)
+    cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path = str(path)
+    mt = MultiTurnRollout(cfg, trainer.engine, trainer.tokenizer, ToolRunner({}), trainer.pad_id, trainer.rank,
+                          trainer.world, interaction_runner_of(cfg))
+    tok = trainer.tokenizer
+    mt.decode = lambda ids, skip_special_tokens=False: tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    items = [dataclasses.replace(trainer.train_data[i], extra_info={"interaction_kwargs": {"name": "coach"}})
+             for i in range(4)]
+    sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
+    sampling.seed = 11
+    Coach.seen = []
+    batch, its, metrics, samples = mt.rollout(items, sampling, trainer.rank, trainer.world)
+    lp = trainer.actor.compute_log_prob(batch, **trainer.batching.old_log_prob.kwargs())
+    model = batch.response_mask.bool()
+    user = batch.valid_mask.bool() & ~model
+    delta = ToolTurnTokens(tok, trainer.engine.eos_token_ids, roles=("user",))(["Try again."], role="user")
+    return {"lp_diff": float((lp - batch.rollout_log_probs)[model].abs().max()), "rows": len(batch),
+            "user_rows_ok": all(batch.responses[r][user[r]].tolist() == delta * 2 for r in range(len(batch))),
+            "lp_on_user_tokens": float(batch.rollout_log_probs[user].abs().max()),
+            "turns": [(s.assistant_turns, s.user_turns, s.stop) for s in samples],
+            "turn_scores": [it.extra_info["turn_scores"] for it in its],
+            "first_messages": [m[0] for m in Coach.seen], "raw_chat": [it.raw_chat[0] for it in items],
+            "interaction_turns": metrics.get("interaction/turns")}
+
+
 def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
     import torch
 
@@ -143,8 +200,9 @@ def _run(rank, world, setup, tools_yaml, run_dir, out, extra=()):
     trainer.generation.pop_metrics()
     history = trainer.fit()
     dapo = _dapo_step(cfg, trainer)   # after the run's last checkpoint: the resumed run does not see it
+    interaction = _interaction_batch(cfg, trainer, run_dir)
     if rank == 0:
-        report["history"], report["dapo"] = history, dapo
+        report["history"], report["dapo"], report["interaction"] = history, dapo, interaction
         Path(out).write_text(json.dumps(report))
     torch.distributed.barrier()
 
@@ -197,6 +255,14 @@ def test_multi_turn_ppo_on_cpu(tmp_path):
         assert 2 * r["delta"] < m["response_length/mean"] <= 18 + 2 * r["delta"]
     assert "val-core/synthetic/echo/reward/mean@1" in steps[-1]
     _check_dapo_step(r["dapo"], r["delta"])
+    # an interaction answering every model turn: its user turns are the template's, out of the
+    # loss, and the engine's log-probs still equal the actor's on every model token
+    i = r["interaction"]
+    assert i["rows"] == 8 and i["user_rows_ok"] and i["lp_on_user_tokens"] == 0.0
+    assert i["lp_diff"] < 1e-4, i["lp_diff"]
+    assert i["turns"] == [[3, 2, "max_assistant_turns"]] * 8 and i["turn_scores"] == [[0.5, 0.5]] * 8
+    assert i["interaction_turns"] == 16
+    assert all(m in i["raw_chat"] for m in i["first_messages"]) and len(i["first_messages"]) == 8   # rank 0's replica
 
     # stopped after step 1 and resumed: step 2 draws and trains exactly as the straight run did
     resumed = tmp_path / "resumed"

@@ -115,12 +115,17 @@ def _grpo_worker(rank, world, model, train, test, run_dir):
                        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true",
                        "algorithm.kl_ctrl.type=adaptive", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
                        "data.max_response_length=6", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2"],
+                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                       f"trainer.rollout_data_dir={run_dir}/rollouts", f"trainer.validation_data_dir={run_dir}/val"],
                       ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
     trainer = PPOTrainer(cfg)
     trainer.fit(3)
+    if rank == 0:   # what the dump says of validation at step 3, before the calls below rewrite it
+        import shutil
+
+        shutil.copy(f"{run_dir}/val/3.jsonl", f"{run_dir}/val_step3.jsonl")
     # data.val_batch_size splits validation into several generate calls; sampled validation
     # gives the same scores (seeds follow each prompt's place in the whole set)
     whole = trainer.validate()
@@ -160,6 +165,29 @@ def test_grpo_with_kl_loss_and_kl_in_reward(tmp_path):
     assert rows[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
     assert rows[-1]["actor/reward_kl_penalty"] > 0 and rows[-1]["actor/kl_loss"] > 0
     assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]  # adaptive
+    # trainer.rollout_data_dir / validation_data_dir: every sample as verl dumps it, each score the
+    # reward function's on the dumped output and ground truth, their mean the logged metric
+    from megappo.rewards import get_reward_fn
+
+    def dumped(path):
+        recs = [json.loads(line) for line in open(path)]
+        for r in recs:
+            assert list(r)[:5] == ["input", "output", "gts", "score", "step"], list(r)
+            assert r["score"] == pytest.approx(get_reward_fn("synthetic/echo")(r["output"], r["gts"]))
+        return recs
+
+    assert sorted(os.listdir(tmp_path / "run" / "rollouts")) == ["1.jsonl", "2.jsonl", "3.jsonl"]
+    for step, row in zip((1, 2, 3), rows):
+        recs = dumped(tmp_path / "run" / "rollouts" / f"{step}.jsonl")
+        assert len(recs) == 8 * 4 and {r["step"] for r in recs} == {step}
+        assert sum(r["score"] for r in recs) / len(recs) == pytest.approx(row["critic/score/mean"], abs=1e-6)
+        assert all(r["input"].startswith("echo") for r in recs)
+    first = read_metrics(tmp_path / "run")[0]
+    for step, path, metrics in ((0, tmp_path / "run" / "val" / "0.jsonl", first),
+                                (3, tmp_path / "run" / "val_step3.jsonl", rows[-1])):
+        recs = dumped(path)
+        assert {r["step"] for r in recs} == {step}
+        assert sum(r["score"] for r in recs) / len(recs) == pytest.approx(metrics[val2], abs=1e-6)
 
 
 def _rm_worker(rank, world, model, rm, train, run_dir):

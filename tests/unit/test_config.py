@@ -598,6 +598,18 @@ RULES = [
     ([R + "val_kwargs.top_k=-2"], {}, R + "val_kwargs.top_k", "must be -1 (disabled) or >= 1, got -2"),
     ([R + "gpu_memory_utilization=1.5"], {}, R + "gpu_memory_utilization", "must be in (0, 1], got 1.5"),
     ([R + "max_num_batched_tokens=50"], {}, R + "max_num_batched_tokens", "50 is smaller than one sequence (96 tokens)"),
+    ([R + "engine_kwargs.vllm.enforce_eager=true"], {}, R + "engine_kwargs.vllm.enforce_eager",
+     "megappo sets it (actor_rollout_ref.rollout.enforce_eager)"),
+    ([R + "max_model_len=95"], {}, R + "engine_kwargs.vllm.max_model_len",       # verl's key lands there
+     "an integer >= data.max_prompt_length + data.max_response_length = 96, got 95"),
+    ([R + "multi_turn.interaction_config_path={tmp}/reward.py"], PATHS, R + "multi_turn.enable",
+     "must be true with multi_turn.interaction_config_path"),
+    ([R + "multi_turn.enable=true", R + "multi_turn.interaction_config_path={tmp}/reward.py"], PATHS,
+     R + "multi_turn.interaction_config_path", "expected a mapping with a non-empty 'interaction' list"),
+    (["trainer.val_only=true", "data.val_files=[]"], {}, "data.val_files",
+     "must name validation files when trainer.val_only=true"),
+    (["data.train_max_samples=0"], {}, "data.train_max_samples", "must be -1 (every row) or a positive number of rows, got 0"),
+    (["data.val_max_samples=-2"], {}, "data.val_max_samples", "must be -1 (every row) or a positive number of rows, got -2"),
     # -- optimizers ------------------------------------------------------------------------------
     ([A + "optim.lr=-1e-6"], {}, A + "optim.lr", "must be >= 0, got -1e-06"),
     (["critic.optim.lr=-1"], {}, "critic.optim.lr", "must be >= 0"),

@@ -55,6 +55,27 @@ def test_chat_template_kwargs_render_every_prompt(tok, tmp_path):
         PromptDataset(path, t, max_prompt_length=5, chat_template_kwargs={"style": "red"})
 
 
+def test_max_samples_keeps_the_rows_verl_keeps(tok, tmp_path):
+    """data.train_max_samples / val_max_samples: with shuffle, numpy's default_rng(seed).choice
+    over the concatenated files (in its order), else the first rows; chosen before the overlong
+    filter, as verl's dataset."""
+    import numpy as np
+
+    colours = ["red", "blue", "gold", "green", "red", "blue", "gold", "green"]
+    a = write(tmp_path / "a.parquet", [row(f"echo: {c}", c) for c in colours[:5]])
+    b = write(tmp_path / "b.parquet", [row(f"echo: {c}", c) for c in colours[5:]])
+    every = PromptDataset([a, b], tok, max_prompt_length=16)
+    first = PromptDataset([a, b], tok, max_prompt_length=16, max_samples=3)
+    assert [it.origin for it in first] == [it.origin for it in every][:3]
+    chosen = PromptDataset([a, b], tok, max_prompt_length=16, max_samples=5, shuffle=True, seed=7)
+    want = np.random.default_rng(7).choice(8, size=5, replace=False)
+    assert [it.origin for it in chosen] == [every[int(i)].origin for i in want]
+    assert len(PromptDataset([a, b], tok, max_prompt_length=16, max_samples=99, shuffle=True, seed=7)) == 8
+    long = write(tmp_path / "c.parquet", [row("echo: red"), row("echo: " + " ".join(["red"] * 30)), row("echo: blue")])
+    kept = PromptDataset(long, tok, max_prompt_length=16, max_samples=2, filter_overlong_prompts=True)
+    assert len(kept) == 1 and kept.num_filtered == 1          # two chosen, then one filtered
+
+
 def test_files_concatenated_in_order(tok, tmp_path):
     a = write(tmp_path / "a.parquet", [row("echo: red"), row("echo: blue", "blue")])
     b = write(tmp_path / "b.parquet", [row("echo: gold", "gold")])
@@ -223,6 +244,12 @@ def test_preprocess_gsm8k_and_reward(tok, tmp_path):
     assert truths == ["7", "1234"]
     assert score_batch(["openai/gsm8k"] * 4, ["so #### 7", "#### 8", "it is #### 1,234", "1234"],
                        [truths[0], truths[0], truths[1], truths[1]]) == [1.0, 0.0, 1.0, 0.0]
+    # the interaction rows: the same data, each row naming the GSM8K interaction with its truth
+    assert preprocess.main(["gsm8k_interaction", "--input", str(raw), "--out", str(tmp_path / "gi")]) == 0
+    irows = pq.read_table(str(tmp_path / "gi" / "train.parquet")).to_pylist()
+    assert [r["extra_info"]["interaction_kwargs"]["ground_truth"] for r in irows] == ["7", "1234"]
+    assert all(r["extra_info"]["interaction_kwargs"]["name"] == "gsm8k" and r["prompt"][0]["role"] == "system"
+               for r in irows)
 
 
 def test_preprocess_math_synthetic_and_errors(tmp_path, capsys):

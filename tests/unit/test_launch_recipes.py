@@ -286,3 +286,18 @@ def test_gsm8k_tool_recipe_runs_multi_turn_with_the_shipped_calculator():
     # a tool config that is not there is named before anything starts
     p = _dry("qwen3_8b_gsm8k_tool.sh", TOOL_CONFIG="/nonexistent/tools.yaml")
     assert p.returncode == 2 and "multi_turn.tool_config_path" in p.stderr and "/nonexistent/tools.yaml" in p.stderr
+
+
+def test_gsm8k_interaction_recipe_runs_multi_turn_with_the_shipped_teacher():
+    p = _dry("qwen3_8b_gsm8k_interaction.sh", GPU_MEMORY_GB="80")
+    assert p.returncode == 0, p.stderr
+    cfg = _config(p.stdout)
+    ro = cfg["actor_rollout_ref"]["rollout"]
+    mt = ro["multi_turn"]
+    assert mt["enable"] is True and mt["max_user_turns"] == 5 and mt["tool_config_path"] is None
+    assert mt["interaction_config_path"] == str(REPO / "examples" / "interactions" / "gsm8k.yaml")
+    assert cfg["data"]["train_files"] == [os.path.expanduser("~/data/gsm8k_interaction/train.parquet")]
+    assert cfg["algorithm"]["adv_estimator"] == "grpo" and ro["n"] == 8
+    assert "train: TP=2 PP=2 DP=2 | rollout: TP=2 DP=4" in p.stdout and ": FITS" in p.stdout
+    p = _dry("qwen3_8b_gsm8k_interaction.sh", INTERACTION_CONFIG="/nonexistent/i.yaml")
+    assert p.returncode == 2 and "multi_turn.interaction_config_path" in p.stderr and "/nonexistent/i.yaml" in p.stderr

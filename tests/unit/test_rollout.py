@@ -335,3 +335,32 @@ def test_tied_embeddings_sync(tmp_path):
     finally:
         eng.shutdown()
 
+
+
+def test_engine_kwargs_reach_vllm_and_are_checked_first(models):
+    """actor_rollout_ref.rollout.engine_kwargs.vllm: vLLM's own arguments go to its engine as
+    they are (verl's rollout.max_model_len among them); an argument megappo sets from its own key,
+    a name vLLM's engine lacks, or a max_model_len shorter than a prompt and its response is refused
+    before the engine starts, naming the entry."""
+    import gc
+
+    from megappo.rollout import VLLMRollout, vllm_engine_kwargs
+
+    where = "actor_rollout_ref.rollout.engine_kwargs.vllm."
+    with pytest.raises(ValueError, match=where + r"seed: megappo sets it \(actor_rollout_ref.actor.megatron.seed\)"):
+        vllm_engine_kwargs({"seed": 1}, 256)
+    with pytest.raises(ValueError, match=where + "swap_space: vLLM's engine takes no argument 'swap_space'"):
+        vllm_engine_kwargs({"swap_space": 4}, 256)
+    with pytest.raises(ValueError, match=where + r"max_model_len=100 is shorter than a prompt and its response .* = 256"):
+        vllm_engine_kwargs({"max_model_len": 100}, 256)
+    assert vllm_engine_kwargs({"max_model_len": None, "max_logprobs": 3}, 256) == {"max_logprobs": 3}   # null: megappo's
+    root, _, _ = models
+    gc.unfreeze()
+    eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                      engine_kwargs={"max_model_len": 320, "max_logprobs": 7, "enable_prefix_caching": False})
+    try:
+        vc = eng.llm.llm_engine.vllm_config
+        assert (vc.model_config.max_model_len, vc.model_config.max_logprobs) == (320, 7)
+        assert vc.cache_config.enable_prefix_caching is False
+    finally:
+        eng.shutdown()

@@ -203,7 +203,6 @@ def test_unknown_config_name_and_unknown_key_are_errors():
      "must be strict, ignore_strippable or disable"),
     ("+actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=null", None, None),
     ("+actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=4", "error", "actor_rollout_ref.rollout.n"),
-    ("+actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml", "error", "interactions"),
     ("+actor_rollout_ref.rollout.multi_turn.completion_callback=a.b", "error", "completion callbacks"),
     ("+actor_rollout_ref.rollout.multi_turn.max_turns=3", "error", "multi-turn settings are enable, max_assistant_turns"),
 ])

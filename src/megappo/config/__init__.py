@@ -23,7 +23,7 @@ from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, Algorithm
                                    MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, PPOConfig, Ref, RefConfig,
                                    RefMegatronConfig, RewardModelConfig, RewardModelModelConfig, RolloutConfig,
                                    TrainerConfig, ValKwargsConfig, all_keys, get)
-from megappo.config.validation import critic_enabled, validate
+from megappo.config.validation import VLLM_ARGS_OWNED, critic_enabled, validate
 
 __all__ = [
     "ConfigError",
@@ -39,6 +39,7 @@ __all__ = [
     "all_keys",
     "config_reference_markdown",
     "critic_enabled",
+    "VLLM_ARGS_OWNED",
     "PRESETS_DIR",
     "source_of",
     "GAE_GROUP_DEFAULTS",

@@ -20,6 +20,7 @@ from megappo.config.schema import _is_section, _locate
 # Coercion of override strings and YAML values to the field's type
 # ---------------------------------------------------------------------------------------------
 
+MISSING = "???"   # Hydra's marker of a value the user must give
 _REF_RE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 _NULLS = {"null", "none", "~"}
 _TRUE = {"true", "yes", "on"}
@@ -184,7 +185,42 @@ def _coerce_number(value: Any, tp: Any, from_text: bool):
         return out
 
 
+_SELECT_RE = re.compile(r"^\$\{oc\.select:\s*([A-Za-z0-9_.]+)\s*,(.*)\}$", re.S)
+_RELATIVE_RE = re.compile(r"\$\{(\.+)([A-Za-z0-9_.]*)\}")
+
+
+def _omegaconf_forms(cfg: PPOConfig, path: str, value: Any) -> Any:
+    """verl's config files write ``${.key}`` (a key of the same section) and
+    ``${oc.select:key,default}`` (key's value, or default where key does not exist): the first
+    becomes the absolute reference, the second a reference to ``key`` where megappo has it, else
+    ``default``."""
+    if not isinstance(value, str) or "${" not in value:
+        return value
+    section = path.split(".")[:-1]
+
+    def absolute(dots: str, rest: str) -> str:
+        up = section[:len(section) - (len(dots) - 1)] if len(dots) > 1 else section
+        return ".".join(up + ([rest] if rest else []))
+
+    text = value.strip()
+    m = _SELECT_RE.match(text)
+    if m:
+        target, default = m.group(1), m.group(2).strip()
+        if target.startswith("."):
+            target = absolute(re.match(r"\.+", target).group(0), target.lstrip("."))
+        try:
+            _locate(cfg, target)
+            return "${" + target + "}"
+        except KeyError:
+            try:
+                return yaml.safe_load(default)
+            except yaml.YAMLError:
+                return default
+    return _RELATIVE_RE.sub(lambda r: "${" + absolute(r.group(1), r.group(2)) + "}", value)
+
+
 def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:
+    value = _omegaconf_forms(cfg, path, value)
     try:
         obj, name, tp = _locate(cfg, path)
     except KeyError:
@@ -242,7 +278,7 @@ def _verl_key(path: str, value: Any, errors: Optional[list], warnings: Optional[
     from megappo.config import verl_keys
 
     if isinstance(value, dict):  # a nested mapping under an unknown section: judge its leaves
-        leaves = {f"{path}.{k}": v for k, v in value.items()}
+        leaves = {f"{path}.{k}": v for k, v in value.items() if v != MISSING}
         if not all(verl_keys.check(p, v) is not None or isinstance(v, dict) for p, v in leaves.items()):
             return False
         return all(_verl_key(p, v, errors, warnings) for p, v in leaves.items())
@@ -266,15 +302,25 @@ def apply_mapping(cfg: PPOConfig, mapping: dict, prefix: str = "", errors: Optio
     from megappo.config import verl_keys
 
     for k, v in mapping.items():
+        if v == MISSING:   # Hydra's "required, not given" in verl's own files: megappo's default stands
+            continue
         path = _renamed(prefix + str(k))
         try:
-            obj, name, tp = _locate(cfg, path)
-            if _is_section(tp) and isinstance(v, dict):
+            try:
+                obj, name, tp = _locate(cfg, path)
+            except KeyError:
+                if _entry_of_mapping(cfg, path) is None:
+                    raise
+                obj, name, tp = None, None, None    # an entry of a mapping key
+            if tp is None:
+                _set(cfg, path, v, from_text=False)
+            elif _is_section(tp) and isinstance(v, dict):
                 apply_mapping(cfg, v, prefix=path + ".", errors=errors, set_paths=set_paths, warnings=warnings)
                 continue
-            if (tp is dict or typing.get_origin(tp) is dict) and isinstance(v, dict):   # files merge, as Hydra's
-                v = {**getattr(obj, name), **v}
-            _set(cfg, path, verl_keys.substitute(path, v, warnings), from_text=False)
+            else:
+                if (tp is dict or typing.get_origin(tp) is dict) and isinstance(v, dict):   # files merge, as Hydra's
+                    v = {**getattr(obj, name), **v}
+                _set(cfg, path, verl_keys.substitute(path, v, warnings), from_text=False)
             if set_paths is not None:
                 set_paths.append(path)
         except (KeyError, ValueError) as e:
@@ -527,8 +573,12 @@ def verl_compat(text: str) -> tuple[str, str, str]:
     key, value = (x.strip() for x in text.split("=", 1))
     key = key.lstrip("+")
     target = _renamed(key)
+    said: list = []
+    ours = verl_keys.substitute(target, value, said)
     try:
-        apply_override(PPOConfig(), f"{target}={value}")
+        apply_override(PPOConfig(), f"{target}={ours}")
+        if said:
+            return "warned", key, said[0]
         return ("mapped", key, f"sets {target}") if target != key else ("set", key, "a megappo key")
     except ValueError as e:
         return "refused", key, str(e).split(": ", 1)[-1]

@@ -61,6 +61,9 @@ class DataConfig:
     seed: int = _f(1, "Seed of the prompt shuffling and of the rollout sampling (one seed per prompt and step).")
     return_raw_chat: bool = _f(True, "Keep each prompt's chat messages, unrendered, beside its token ids (verl's key and default; false saves their memory). Multi-turn rollouts with tools need them (the chat template is applied with the tool schemas), so multi_turn.enable requires true; single-turn rollouts and the reward model do not read them (the reward model shares the actor's tokenizer: no chat re-templating).")
     apply_chat_template_kwargs: dict = _f({}, "Keyword arguments of the tokenizer's apply_chat_template wherever megappo renders a chat (prompts, their length check, multi-turn tool and user turns), e.g. {enable_thinking: false} for Qwen3 (verl's key); entries set one by one as data.apply_chat_template_kwargs.<name>=value.")
+    train_max_samples: int = _f(-1, "Use at most this many training rows (-1: all): with data.shuffle, a random choice seeded by data.seed (numpy's default_rng(seed).choice, verl's), else the first rows; taken before overlong prompts are filtered, as verl.")
+    val_max_samples: int = _f(-1, "As train_max_samples, for the validation rows.")
+    trust_remote_code: bool = _f(False, "Let transformers run the model folder's own code to load its tokenizer (verl's key for the tokenizer; the model's is actor_rollout_ref.model.trust_remote_code).")
 
 
 @dataclass
@@ -73,6 +76,9 @@ class ModelConfig:
     target_modules: list[str] = _f(["all-linear"], "LoRA: HF modules to adapt: all-linear (every linear of the decoder layers, PEFT's meaning) or names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, as a list or one comma-separated string.")
     exclude_modules: Optional[list[str]] = _f(None, "LoRA: HF modules not to adapt (names as target_modules); null: none.")
     lora_adapter_path: Optional[str] = _f(None, "LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from (verl's key); its own rank, alpha and target modules win over lora_rank, lora_alpha and target_modules.")
+    trust_remote_code: bool = _f(False, "Let transformers and vLLM run the model folder's own code for its config.json (verl's key). megappo builds the model itself from the config, so only architectures it knows train (docs/models.md).")
+    custom_chat_template: Optional[str] = _f(None, "A Jinja chat template used instead of the tokenizer's (verl's key): prompts, multi-turn turns and the reward model's tokenizer all render with it.")
+    external_lib: Optional[str] = _f(None, "A Python module imported before anything is built (verl's key), e.g. one that registers a model or tokenizer class with transformers.")
 
 
 @dataclass
@@ -194,6 +200,11 @@ class ValKwargsConfig:
 
 
 @dataclass
+class EngineKwargsConfig:
+    vllm: dict = _f({}, "More arguments of vLLM's engine (EngineArgs names, e.g. {kv_cache_dtype: fp8, enable_prefix_caching: false}), verl's key; those megappo sets from its own keys are refused naming them, a name vLLM lacks is refused when the engine starts. verl's rollout.max_model_len (at least data.max_prompt_length + data.max_response_length; null: that sum), enable_prefix_caching, disable_log_stats, cudagraph_capture_sizes and scheduling_policy land here.")
+
+
+@dataclass
 class MultiTurnConfig:
     """verl's multi-turn rollout with tools; the keys and defaults are verl's (rollout.yaml)."""
     enable: bool = _f(False, "Multi-turn rollouts with tool calls (megappo.tools): the engine generates conversations whose tool turns are in the sequence and out of the loss. Runs with DAPO's dynamic sampling, a reward model (it scores the whole conversation at the last model token) and the split placement (its rollout ranks run the turn loop and the tools; synchronous or one step off).")
@@ -204,6 +215,7 @@ class MultiTurnConfig:
     tool_response_truncate_side: Literal["left", "middle", "right"] = _f("middle", "What a long tool response keeps: left keeps its end (cuts the left), right keeps its start, middle keeps both ends; the cut is marked '(truncated)' as verl marks it.")
     tool_config_path: Optional[str] = _f(None, "Tool config YAML in verl's shape: tools: [{class_name: pkg.mod.Class, config: {...}, tool_schema: {type: function, function: {name, description, parameters}}}]; null: no class tools.")
     function_tool_path: Optional[str] = _f(None, "Python file whose functions decorated with megappo.tools.function_tool become tools (schema from the signature's type hints and the docstring's Args section); null: none. Tool names must be unique across both paths.")
+    interaction_config_path: Optional[str] = _f(None, "Interaction config YAML in verl's shape: interaction: [{name, class_name: pkg.mod.Class, config: {...}}]: a simulated user answers each model turn that calls no tool (its text a user turn, out of the loss; its turn score in the reward function's extra_info['turn_scores']) until it ends the conversation; each row's extra_info.interaction_kwargs names its interaction (name) and holds its arguments. null: none.")
     format: Literal["hermes"] = _f("hermes", "How tool calls appear in the model's text: hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, Qwen's format).")
 
 
@@ -227,6 +239,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = _f(Ref("actor_rollout_ref.actor.use_dynamic_bsz"), "Token-budget micro-batches for the old log-prob pass.")
     log_prob_max_token_len_per_gpu: int = _f(Ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), "Token budget per micro-batch of the old log-prob pass.")
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig, "Sampling used for validation.")
+    engine_kwargs: EngineKwargsConfig = _sub(EngineKwargsConfig, "Arguments handed to the rollout engine as they are.")
     multi_turn: MultiTurnConfig = _sub(MultiTurnConfig, "Multi-turn rollouts with tools (verl's keys).")
 
 
@@ -256,6 +269,7 @@ class CriticModelConfig:
     lora_rank: int = _f(0, "As actor_rollout_ref.model.lora_rank, for the critic (verl's FSDP critic key): its own frozen base (critic.model.path) with adapters, and a trained value head.")
     lora_alpha: float = _f(16, "As actor_rollout_ref.model.lora_alpha, for the critic.")
     target_modules: list[str] = _f(["all-linear"], "As actor_rollout_ref.model.target_modules, for the critic.")
+    trust_remote_code: bool = _f(Ref("actor_rollout_ref.model.trust_remote_code"), "As actor_rollout_ref.model.trust_remote_code, for the critic's config.json.")
 
 
 @dataclass
@@ -331,6 +345,7 @@ class AlgorithmConfig:
 class RewardModelModelConfig:
     path: Optional[str] = _f(None, "HuggingFace folder of the reward model: a token- or sequence-classification model with one label (the critic export layout, or a hub reward model), same tokenizer as the actor.")
     use_remove_padding: bool = _f(False, "As actor_rollout_ref.model.use_remove_padding, for the reward model's pass.")
+    trust_remote_code: bool = _f(False, "As actor_rollout_ref.model.trust_remote_code, for the reward model's config.json.")
 
 
 @dataclass
@@ -370,6 +385,9 @@ class TrainerConfig:
     save_freq: int = _f(-1, "Checkpoint every N steps (and at the end); -1 disables.")
     test_freq: int = _f(-1, "Validate every N steps (and at the end); -1 disables.")
     val_before_train: bool = _f(True, "Validate once before the first step.")
+    val_only: bool = _f(False, "Validate once (the checkpoint resumed from, or the start) and stop, training nothing (verl's key).")
+    rollout_data_dir: Optional[str] = _f(None, "Write every step's samples to <dir>/<step>.jsonl (verl's key and fields: input, output, gts, score, step, and what the reward function returned beside its score); null: none.")
+    validation_data_dir: Optional[str] = _f(None, "Write each validation's samples to <dir>/<step>.jsonl, as rollout_data_dir; null: none.")
     critic_warmup: int = _f(0, "Steps that train only the critic before the actor starts updating.")
     balance_batch: bool = _f(True, "Reorder samples so every data-parallel rank gets a similar token count.")
     project_name: str = _f("megappo", "Project name (log and checkpoint paths).")

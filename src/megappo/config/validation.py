@@ -9,6 +9,25 @@ from typing import Callable, Optional
 from megappo.config.schema import ConfigError, PPOConfig, get
 from megappo.layout import parallel_layout, split_worlds
 
+# vLLM engine arguments megappo decides: the megappo key that sets each, or why it is not a setting
+# (rollout.engine_kwargs.vllm may not name them; megappo.rollout checks the rest against vLLM's)
+VLLM_ARGS_OWNED = {
+    "tensor_parallel_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "dtype": "actor_rollout_ref.rollout.dtype",
+    "enforce_eager": "actor_rollout_ref.rollout.enforce_eager",
+    "max_num_seqs": "actor_rollout_ref.rollout.max_num_seqs",
+    "max_num_batched_tokens": "actor_rollout_ref.rollout.max_num_batched_tokens",
+    "gpu_memory_utilization": "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "seed": "actor_rollout_ref.actor.megatron.seed",
+    **{k: "actor_rollout_ref.model.lora_rank" for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")},
+    **{k: "no key: megappo's weight sync and memory plan rely on its value" for k in
+       ("model", "tokenizer", "load_format", "skip_tokenizer_init", "distributed_executor_backend",
+        "kv_cache_memory_bytes")},
+}
+
+
 def _known(kind: str) -> list[str]:
     # Lazy: the registries live in megappo.algo (torch); the dry run pays this once.
     from megappo import algo
@@ -381,6 +400,12 @@ def _sampling(cfg: PPOConfig, need: Need, W: list[str]) -> None:
         need(k == -1 or k >= 1, sect + "top_k", f"must be -1 (disabled) or >= 1, got {k}")
     need(0 < ro.gpu_memory_utilization <= 1, R + "gpu_memory_utilization",
          f"must be in (0, 1], got {ro.gpu_memory_utilization}")
+    for name in ro.engine_kwargs.vllm:
+        need(name not in VLLM_ARGS_OWNED, R + "engine_kwargs.vllm." + name, f"megappo sets it ({VLLM_ARGS_OWNED.get(name)})")
+    mml = ro.engine_kwargs.vllm.get("max_model_len")
+    need(mml is None or (isinstance(mml, int) and mml >= d.max_prompt_length + d.max_response_length),
+         R + "engine_kwargs.vllm.max_model_len", f"must hold a prompt and its response: null or an integer >= "
+         f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length}, got {mml!r}")
     need(ro.max_num_batched_tokens >= d.max_prompt_length + d.max_response_length or ro.max_num_batched_tokens < 1,
          R + "max_num_batched_tokens",
          f"{ro.max_num_batched_tokens} is smaller than one sequence "
@@ -392,17 +417,20 @@ def _multi_turn(cfg: PPOConfig, need: Need) -> None:
     if mt.enable:
         need(cfg.data.return_raw_chat, "data.return_raw_chat", "must be true with multi_turn.enable: multi-turn "
              "rollouts apply the chat template to the raw messages with the tool schemas")
-    for name in ("tool_config_path", "function_tool_path"):
+    for name in ("tool_config_path", "function_tool_path", "interaction_config_path"):
         path = getattr(mt, name)
         if path:
             problem = _tool_file_problem(name, path)
             need(problem is None, k + name, problem or "")
+    if mt.interaction_config_path:
+        need(mt.enable, k + "enable", "must be true with multi_turn.interaction_config_path (interactions answer "
+             "between the turns of multi-turn rollouts)")
 
 
 def _tool_file_problem(name: str, path: str) -> Optional[str]:
     """What is wrong with a tool file, checked without importing the tools' code (a dry run
     may name classes of packages installed only where the job runs)."""
-    from megappo.tools import ToolConfigError, read_tool_config
+    from megappo.tools import ToolConfigError, read_interaction_config, read_tool_config
 
     p = Path(os.path.expanduser(path))
     if not p.is_file():
@@ -410,7 +438,7 @@ def _tool_file_problem(name: str, path: str) -> Optional[str]:
     if name == "function_tool_path":
         return None if p.suffix == ".py" else f"expected a Python file (.py), got {path}"
     try:
-        read_tool_config(p)
+        (read_interaction_config if name == "interaction_config_path" else read_tool_config)(p)
     except ToolConfigError as e:
         return str(e)
     return None
@@ -442,6 +470,12 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
     need(bool(tr.resume_mode), "trainer.resume_mode",
          f"must be disable, auto, resume_path or a checkpoint path, got {tr.resume_mode!r}")
     need(bool(d.train_files), "data.train_files", "needs at least one file, got an empty list")
+    if tr.val_only:
+        need(bool(d.val_files), "data.val_files", "must name validation files when trainer.val_only=true "
+             "(it validates and stops)")
+    for key in ("data.train_max_samples", "data.val_max_samples"):
+        v = get(cfg, key)
+        need(v == -1 or v >= 1, key, f"must be -1 (every row) or a positive number of rows, got {v}")
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")

@@ -9,6 +9,7 @@ so, and what to use instead). A key in neither place is an unknown key (with sug
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Any, Callable, Optional
 
 import yaml
@@ -32,13 +33,24 @@ def _always(kind: str, text: str) -> Rule:
     return lambda v: (kind, text)
 
 
+def _note(text: str) -> Rule:
+    """A warning that a value other than verl's default changes nothing here (at the default: silent)."""
+    return lambda v: ("note", text)
+
+
 def _truthy(v: Any) -> bool:
     return v not in (False, None, 0, "false", "False")
 
 
-# verl values megappo runs with another of its own, with a warning naming the substitution:
-# (key, verl's value) -> (megappo's value, why)
+# verl values megappo runs with another of its own, with a warning naming the substitution
+# (none where the two mean the same): (key, verl's value) -> (megappo's value, why or None)
 SUBSTITUTED = {
+    # verl's generated config writes null for megatron's defaults of the full recomputation
+    **{(f"{role}.megatron.override_transformer_config.{k}", "null"): (v, None)
+       for role in ("actor_rollout_ref.actor", "critic") for k, v in (("recompute_method", "uniform"),
+                                                                      ("recompute_num_layers", 1))},
+    ("data.seed", "null"): (1, "verl's null shuffles unseeded (another order every run); megappo's runs are "
+                               "reproducible and resume exactly, so the shuffle takes seed 1 (set data.seed to choose)"),
     ("actor_rollout_ref.rollout.name", "sglang"): (
         "vllm", "megappo rolls out with vLLM, not SGLang (the same sampling settings: n, temperature, top_p, "
                 "top_k; multi-turn tool calls run in megappo's own loop over the vLLM engine)"),
@@ -48,12 +60,14 @@ SUBSTITUTED = {
 def substitute(path: str, value: Any, warnings: Optional[list]) -> Any:
     """The value megappo runs with for ``path=value`` (verl's value unless SUBSTITUTED names it);
     a substitution appends its warning."""
-    if not isinstance(value, str):   # every substituted value is a name
+    if value is not None and not isinstance(value, str):   # every substituted value is a name or null
         return value
-    key = (path, value.strip().strip("'\""))
+    key = (path, "null" if value is None else value.strip().strip("'\""))
     if key not in SUBSTITUTED:
         return value
     ours, why = SUBSTITUTED[key]
+    if why is None:
+        return ours
     text = f"{path}={key[1]} runs as {path}={ours}: {why}"
     if warnings is not None and text not in warnings:   # a config file and the command line may both say it
         warnings.append(text)
@@ -67,7 +81,11 @@ RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_
            # verl's DAPO reward manager's arguments: megappo's overlong penalty
            **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
               for k in ("enable", "len", "penalty_factor")},
-           "reward_model.reward_kwargs.max_resp_len": "reward_model.overlong_buffer.max_resp_len"}
+           "reward_model.reward_kwargs.max_resp_len": "reward_model.overlong_buffer.max_resp_len",
+           # vLLM's own arguments, which verl names in its rollout section
+           **{f"actor_rollout_ref.rollout.{k}": f"actor_rollout_ref.rollout.engine_kwargs.vllm.{k}"
+              for k in ("max_model_len", "enable_prefix_caching", "disable_log_stats", "cudagraph_capture_sizes",
+                        "scheduling_policy")}}
 
 RULES: list[tuple[str, Rule]] = [
     # accepted: what megappo does anyway, or a no-op until the feature lands
@@ -89,7 +107,52 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", lambda v: None),
     ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", lambda v: None),
     ("trainer.default_hdfs_dir", _when(lambda v: v is not None, "error", "must be null: HDFS copies are not supported; checkpoints go to trainer.default_local_dir")),
-    ("ray_kwargs.*", _always("warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
+    ("ray_kwargs.*", _when(lambda v: v not in (None, {}, []), "warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
+    # verl's plumbing: what megappo does anyway, or has no part that the key could change
+    ("*._target_", lambda v: None),                         # Hydra's class for the section: megappo reads the keys
+    ("*.rollout_n", lambda v: None),                        # verl copies rollout.n there
+    ("*.load_weight", lambda v: None),
+    ("*.megatron.forward_only", lambda v: None),
+    ("actor_rollout_ref.actor.calculate_entropy", lambda v: None),   # megappo's actor/entropy is logged every step
+    ("actor_rollout_ref.rollout.calculate_log_probs", lambda v: None),   # the engine's log-probs are always kept
+    ("actor_rollout_ref.rollout.skip_tokenizer_init", lambda v: None),   # megappo's engine takes token ids
+    ("actor_rollout_ref.rollout.layer_name_map.*", lambda v: None),
+    ("actor_rollout_ref.model.fused_kernel_options.*", lambda v: None),
+    ("*.profiler.*", _note("has no effect: megappo has no profiler hooks (run a rank under nsys or py-spy; "
+                                     "per-phase seconds are the timing/* metrics)")),
+    ("global_profiler.*", _note("has no effect: megappo has no profiler hooks (run a rank under nsys or py-spy; "
+                                          "per-phase seconds are the timing/* metrics)")),
+    ("*.nccl_timeout", _note("has no effect: megappo's timeout for start-up and collectives is trainer.dist_timeout_s")),
+    ("*.megatron.vanilla_mbridge", _note("has no effect: megappo converts HF weights itself")),
+    ("*.megatron.use_remove_padding", _note("has no effect: megappo's sequence packing switch is "
+                                                      "<role>.model.use_remove_padding")),
+    ("*.use_shm", _note("has no effect: megappo reads model and data files where they are")),
+    ("data.dataloader_num_workers", _note("has no effect: megappo tokenizes every row once at start, in the trainer process")),
+    ("data.filter_overlong_prompts_workers", _note("has no effect: megappo tokenizes every row once at start, in the trainer process")),
+    ("data.validation_shuffle", _note("has no effect: validation runs its prompts in file order")),
+    ("data.return_raw_input_ids", lambda v: None),
+    ("data.return_full_prompt", lambda v: None),
+    ("data.return_multi_modal_inputs", lambda v: None),
+    ("data.tool_config_path", lambda v: None),   # verl's copy of rollout.multi_turn.tool_config_path
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", _note("has no effect: megappo wakes vLLM's weights and KV cache as its memory plan says (docs/memory.md)")),
+    ("actor_rollout_ref.rollout.load_format", _note("has no effect: megappo starts vLLM with dummy weights and syncs the actor's into it before the first rollout")),
+    ("actor_rollout_ref.rollout.layered_summon", _note("has no effect: megappo syncs weights layer by layer in buckets (shard-direct where the layouts allow)")),
+    ("actor_rollout_ref.rollout.engine_kwargs.sglang.*", _note("has no effect: megappo rolls out with vLLM (its arguments: actor_rollout_ref.rollout.engine_kwargs.vllm)")),
+    ("actor_rollout_ref.rollout.engine_kwargs.trtllm.*", _note("has no effect: megappo rolls out with vLLM (its arguments: actor_rollout_ref.rollout.engine_kwargs.vllm)")),
+    ("actor_rollout_ref.rollout.trace.*", _note("has no effect: megappo has no rollout tracing (trainer.rollout_data_dir writes every step's samples)")),
+    ("actor_rollout_ref.rollout.prometheus.*", _note("has no effect: megappo does not serve vLLM's Prometheus metrics")),
+    ("actor_rollout_ref.rollout.agent.num_workers", _note("has no effect: megappo runs no agent-loop workers (multi-turn rollouts run in the trainer's ranks)")),
+    ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", _note("has no effect: megappo sizes its weight-sync buckets itself (docs/rollout.md)")),
+    ("actor_rollout_ref.model.use_liger", _note("has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
+    ("trainer.ray_wait_register_center_timeout", _note("is read by verl's Ray driver only")),
+    ("trainer.esi_redundant_time", _note("has no effect: megappo saves every trainer.save_freq steps; a job stopped by its scheduler resumes from the last checkpoint")),
+    # verl's global micro-batch sizes (deprecated there): megappo's are per GPU
+    *((k, _when(lambda v: v is not None, "error", f"is not supported: set {k}_per_gpu (samples per micro-batch on each rank)"))
+      for k in ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size", "critic.ppo_micro_batch_size")),
+    ("actor_rollout_ref.rollout.prompt_length", _always("error", "is not a setting here: megappo's is data.max_prompt_length")),
+    ("actor_rollout_ref.rollout.response_length", _always("error", "is not a setting here: megappo's is data.max_response_length")),
+    ("data.tokenizer", _when(lambda v: v is not None, "error", "is not supported: the tokenizer is actor_rollout_ref.model.path's")),
     # features megappo lacks
     # verl's Megatron-Bridge LoRA block: meaningless while its rank is 0; megappo's LoRA keys are verl's HF-model ones
     ("*.model.lora.rank", _when(lambda v: v not in (0, None), "error", BRIDGE_LORA)),
@@ -115,7 +178,6 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", _when(_truthy, "error", "is not supported: megappo's multi-turn samples continue from the token ids the model produced (verl's false); re-rendering earlier turns with the chat template would change the trained tokens")),
     ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", lambda v: None if v in ("strict", "ignore_strippable", "disable") else ("error", "must be strict, ignore_strippable or disable")),
     ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _when(lambda v: v is not None, "error", "is not supported: samples per prompt are actor_rollout_ref.rollout.n")),
-    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path", _when(lambda v: v is not None, "error", "is not supported: interactions (a simulated user answering between turns) are not implemented; tools are (tool_config_path, function_tool_path)")),
     ("actor_rollout_ref.rollout.multi_turn.completion_callback", _when(lambda v: v is not None, "error", "is not supported: completion callbacks are not implemented")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's multi-turn settings are enable, max_assistant_turns, max_user_turns, max_parallel_calls, max_tool_response_length, tool_response_truncate_side, tool_config_path, function_tool_path and format")),
     ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),
@@ -131,9 +193,16 @@ RULES: list[tuple[str, Rule]] = [
 ]
 
 
+_SELECT = re.compile(r"^\$\{oc\.select:[^,]*,(.*)\}$", re.S)
+
+
 def parse_value(value: Any) -> Any:
     """A value from the command line parsed as YAML, which approximates hydra's override grammar
-    (verl's parser) on numbers, booleans, null and lists; the two are not checked to agree."""
+    (verl's parser) on numbers, booleans, null and lists; the two are not checked to agree.
+    verl's ``${oc.select:other.key,default}`` (a key megappo has no field for) is judged by its
+    default."""
+    if isinstance(value, str) and _SELECT.match(value.strip()):
+        value = _SELECT.match(value.strip()).group(1).strip()
     if isinstance(value, str):
         try:
             return yaml.safe_load(value)
@@ -144,15 +213,26 @@ def parse_value(value: Any) -> Any:
 
 def check(key: str, value: Any) -> Optional[tuple[str, str]]:
     """For a key megappo has no field for: None if it is not a known verl key; ("ok", ""),
-    ("warn", message) or ("error", message) otherwise. Messages start with the key."""
+    ("warn", message) or ("error", message) otherwise. Messages start with the key. A key of
+    verl's Megatron trainer config at verl's default asks for nothing: never refused (a rule's
+    warning still says what megappo does instead; megappo.config.verl_defaults); set otherwise
+    and named by no rule here, it is refused."""
+    from megappo.config import verl_defaults
+
+    v = parse_value(value)
+    default = verl_defaults.is_default(key, v) or (isinstance(value, str) and verl_defaults.is_default(key, value))
     for pattern, rule in RULES:
         if fnmatch.fnmatchcase(key, pattern):
-            v = parse_value(value)
             got = rule(v)
-            if got is None:
+            if got is None or (default and got[0] in ("error", "note")):   # a warning still says what differs
                 return ("ok", "")
-            kind, text = got
+            kind, text = ("warn", got[1]) if got[0] == "note" else got
             section = key.split(".fsdp_config")[0].replace(".model", "") if ".fsdp_config" in key else ""
             text = text.replace("<section>", section or "actor_rollout_ref.actor")
             return (kind, f"{key}={v!r} {text}" if kind == "warn" else f"{text} (got {v!r})")
+    if default:
+        return ("ok", "")
+    if key in verl_defaults.DEFAULTS:
+        return ("error", f"is not supported: megappo has no setting for it (verl's default, "
+                         f"{verl_defaults.DEFAULTS[key]!r}, is accepted) (got {v!r})")
     return None

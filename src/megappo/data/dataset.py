@@ -177,12 +177,15 @@ def _check_tokenization(tokenizer, messages: list[dict], ids: list[int], where: 
 class PromptDataset:
     """All rows of the given files, in order, tokenized (with ``tools``: the tool schemas the chat
     template describes, multi-turn rollouts; ``chat_template_kwargs``: the template's other
-    arguments); overlong prompts filtered or truncated.
+    arguments); overlong prompts filtered or truncated. ``max_samples`` > 0 keeps that many rows
+    as verl's dataset does: with ``shuffle`` numpy's ``default_rng(seed).choice`` (in its order),
+    else the first rows.
     The first rows of each file also check that the tokenizer fits the text (_check_tokenization)."""
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
                  filter_overlong_prompts: bool = False, truncation: str = "error", return_raw_chat: bool = False,
-                 tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None):
+                 tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
+                 max_samples: int = -1, shuffle: bool = False, seed: Optional[int] = None):
         if truncation not in ("error", "left", "right", "middle"):
             raise ValueError(f"data.truncation must be error, left, right or middle, got {truncation!r}")
         files = [files] if isinstance(files, str) else list(files)
@@ -191,29 +194,38 @@ class PromptDataset:
         self.items: list[PromptItem] = []
         self.num_filtered = 0
         self.num_truncated = 0
-        for path in files:
-            for r, row in enumerate(read_rows(path)):
-                where = f"{path}, row {r}"
-                _check_row(row, where, prompt_key)
-                ids = tokenize_prompt(tokenizer, row[prompt_key], tools, chat_template_kwargs)
-                if r < SANITY_ROWS:
-                    _check_tokenization(tokenizer, row[prompt_key], ids, where, chat_template_kwargs)
-                truncated = False
-                if len(ids) > max_prompt_length:
-                    if filter_overlong_prompts:
-                        self.num_filtered += 1
-                        continue
-                    if truncation == "error":
-                        raise DataError(f"{where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length="
-                                        f"{max_prompt_length} (set data.filter_overlong_prompts=true or "
-                                        "data.truncation=left|right|middle)")
-                    ids = _truncate(ids, max_prompt_length, truncation)
-                    truncated = True
-                    self.num_truncated += 1
-                self.items.append(PromptItem(ids, row["data_source"], row["reward_model"]["ground_truth"],
-                                             row.get("extra_info") or {}, row.get("ability") or "", f"{path}:{r}",
-                                             truncated,
-                                             [dict(m) for m in row[prompt_key]] if return_raw_chat else None))
+        rows = [(path, r, row) for path in files for r, row in enumerate(read_rows(path))]
+        if 0 < max_samples < len(rows):   # verl's choice of rows: before the overlong filter
+            import numpy as np
+
+            keep = (np.random.default_rng(*(() if seed is None else (seed,))).choice(len(rows), size=max_samples,
+                                                                                  replace=False)
+                    if shuffle else np.arange(max_samples))
+            rows = [rows[int(i)] for i in keep]
+        checked: dict = {}
+        for path, r, row in rows:
+            where = f"{path}, row {r}"
+            _check_row(row, where, prompt_key)
+            ids = tokenize_prompt(tokenizer, row[prompt_key], tools, chat_template_kwargs)
+            checked[path] = checked.get(path, 0) + 1
+            if checked[path] <= SANITY_ROWS:   # the first rows of each file that are used
+                _check_tokenization(tokenizer, row[prompt_key], ids, where, chat_template_kwargs)
+            truncated = False
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if truncation == "error":
+                    raise DataError(f"{where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length="
+                                    f"{max_prompt_length} (set data.filter_overlong_prompts=true or "
+                                    "data.truncation=left|right|middle)")
+                ids = _truncate(ids, max_prompt_length, truncation)
+                truncated = True
+                self.num_truncated += 1
+            self.items.append(PromptItem(ids, row["data_source"], row["reward_model"]["ground_truth"],
+                                         row.get("extra_info") or {}, row.get("ability") or "", f"{path}:{r}",
+                                         truncated,
+                                         [dict(m) for m in row[prompt_key]] if return_raw_chat else None))
         if not self.items:
             raise DataError(f"{', '.join(files)}: no prompts left after filtering ({self.num_filtered} longer than "
                             f"data.max_prompt_length={max_prompt_length})")

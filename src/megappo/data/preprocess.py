@@ -2,12 +2,15 @@
 
     python -m megappo.data.preprocess gsm8k [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess gsm8k_tool [--input <file or folder>] --out <dir>
+    python -m megappo.data.preprocess gsm8k_interaction [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess math  [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess synthetic --out <dir> [--n-train 512 --n-test 64]
 
 gsm8k_tool is GSM8K for multi-turn rollouts with megappo's ``calculator`` tool, in the row shape of
 verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (a system prompt offering the tool,
-``extra_info.need_tools_kwargs`` and ``tools_kwargs.calculator.create_kwargs``).
+``extra_info.need_tools_kwargs`` and ``tools_kwargs.calculator.create_kwargs``). gsm8k_interaction
+is GSM8K for multi-turn rollouts with the GSM8K interaction (a teacher who asks again until the
+answer is right), in the row shape of verl's gsm8k_multiturn_w_interaction.py.
 
 Without ``--input``, gsm8k, gsm8k_tool and math read the hub data sets verl's preprocessing reads
 (HUB_DATASETS: ``openai/gsm8k`` config ``main``, ``DigitalLearningGmbH/MATH-lighteval``), splits
@@ -29,15 +32,19 @@ import sys
 from megappo import hub
 from megappo.rewards import last_boxed, synthetic
 
-__all__ = ["gsm8k_row", "gsm8k_tool_row", "math_row", "HUB_DATASETS", "main"]
+__all__ = ["gsm8k_row", "gsm8k_tool_row", "gsm8k_interaction_row", "math_row", "HUB_DATASETS", "main"]
 
 # task: (hub data set id, its config), as verl's examples/data_preprocess load them.
-HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "gsm8k_tool": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "gsm8k_tool": ("openai/gsm8k", "main"),
+                "gsm8k_interaction": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
                      "You may call the `calculator` tool to evaluate an arithmetic expression exactly; its result "
                      "comes back as the tool's response. Put your final answer in the format of `#### <answer>`.")
+GSM8K_INTERACTION_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                            "Reconsider your answer carefully when the user says it is wrong. Put your final answer "
+                            "in the format of `#### <answer>`.")
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 ECHO_WORDS = ["red", "blue", "green", "gold"]
 
@@ -63,12 +70,24 @@ def gsm8k_tool_row(raw: dict, index: int, split: str) -> dict:
     """A GSM8K row for multi-turn rollouts with the ``calculator`` tool. As verl's rows, each
     carries ``tools_kwargs.<tool>.create_kwargs`` (the ground truth, which the calculator ignores:
     a tool that grades, as verl's calc_gsm8k_reward, reads it) and ``need_tools_kwargs``. verl's
-    ``interaction_kwargs`` is not written: interactions are not implemented here."""
+    ``interaction_kwargs`` is written by gsm8k_interaction_row."""
     row = gsm8k_row(raw, index, split)
     truth = row["reward_model"]["ground_truth"]
     row["prompt"] = [{"role": "system", "content": GSM8K_TOOL_SYSTEM}] + row["prompt"]
     row["extra_info"].update(need_tools_kwargs=True,
                              tools_kwargs={"calculator": {"create_kwargs": {"ground_truth": truth}}})
+    return row
+
+
+def gsm8k_interaction_row(raw: dict, index: int, split: str) -> dict:
+    """A GSM8K row for multi-turn rollouts with the GSM8K interaction: as verl's rows, a system
+    prompt saying the user may point out a wrong answer, and ``extra_info.interaction_kwargs``
+    naming the interaction (``gsm8k``) with the question and the ground truth."""
+    row = gsm8k_row(raw, index, split)
+    truth = row["reward_model"]["ground_truth"]
+    row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}] + row["prompt"]
+    row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": row["prompt"][-1]["content"],
+                                               "ground_truth": truth}
     return row
 
 
@@ -241,7 +260,7 @@ def write_parquet(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megappo.data.preprocess", description=__doc__.split("\n")[0])
-    ap.add_argument("task", choices=["gsm8k", "gsm8k_tool", "math", "synthetic"])
+    ap.add_argument("task", choices=["gsm8k", "gsm8k_tool", "gsm8k_interaction", "math", "synthetic"])
     ap.add_argument("--input", help="raw data file or folder (gsm8k, gsm8k_tool, math; default: the hub data set, see "
                                      "HUB_DATASETS)")
     ap.add_argument("--split", default="train", help="split of a single --input file")
@@ -254,7 +273,8 @@ def main(argv=None) -> int:
         splits = {"train": synthetic.make_echo_rows(args.n_train, ECHO_WORDS, seed=args.seed),
                   "test": synthetic.make_echo_rows(args.n_test, ECHO_WORDS, seed=args.seed + 1)}
     else:
-        make = {"gsm8k": gsm8k_row, "gsm8k_tool": gsm8k_tool_row, "math": math_row}[args.task]
+        make = {"gsm8k": gsm8k_row, "gsm8k_tool": gsm8k_tool_row, "gsm8k_interaction": gsm8k_interaction_row,
+                "math": math_row}[args.task]
         try:
             splits = _convert(args.input, args.split, make) if args.input else _from_hub(args.task, make)
         except (ValueError, OSError) as e:

@@ -63,13 +63,15 @@ class HFModelInfo:
     inv_freq: torch.Tensor  # RoPE inverse frequencies exactly as transformers computes them
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The folder's config.json through transformers (``trust_remote_code``: the folder's own
+    config class may run)."""
     from transformers import AutoConfig
 
     p = os.path.expanduser(path)
     if not os.path.isfile(os.path.join(p, "config.json")):
         raise ModelConfigError(f"{path}: no config.json (expected a HuggingFace model folder)")
-    return AutoConfig.from_pretrained(p)
+    return AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

@@ -5,13 +5,13 @@ samples), and multi-turn generation with tools over a small engine protocol. Wha
 Importing this package does not import vLLM; constructing :class:`VLLMRollout` does.
 """
 from .engine import (VLLM_MAX_LORA_RANK, RolloutEngineError, RolloutOutput, SamplingConfig, VLLMRollout, engine_failure,
-                     layer_buckets, response_mask_from_ids, vllm_lora_rank)
+                     layer_buckets, response_mask_from_ids, vllm_engine_kwargs, vllm_lora_rank)
 from .multi_turn import (MultiTurnSample, ToolTurnTokens, TurnEngine, VLLMTurns, loop_settings, multi_turn_generate,
                          sample_metrics, tool_runner)
 from .replicas import concat, gather_outputs, generate_replicated, prompt_slice, rollout_replica
 
 __all__ = ["RolloutEngineError", "RolloutOutput", "SamplingConfig", "VLLMRollout", "engine_failure", "layer_buckets",
-           "response_mask_from_ids", "VLLM_MAX_LORA_RANK", "vllm_lora_rank",
+           "response_mask_from_ids", "VLLM_MAX_LORA_RANK", "vllm_lora_rank", "vllm_engine_kwargs",
            "MultiTurnSample", "ToolTurnTokens", "TurnEngine", "VLLMTurns", "loop_settings", "multi_turn_generate", "sample_metrics",
            "tool_runner",
            "concat", "gather_outputs", "generate_replicated", "prompt_slice", "rollout_replica"]

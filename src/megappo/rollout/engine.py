@@ -134,6 +134,32 @@ def _named_failures(what: str):
     return wrap
 
 
+def vllm_engine_kwargs(extra: dict, max_model_len: int) -> dict:
+    """``actor_rollout_ref.rollout.engine_kwargs.vllm`` checked: not one megappo decides, a name
+    of vLLM's engine arguments, and a ``max_model_len`` (null: megappo's) that holds a prompt and
+    its response. Raises ValueError naming the entry."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megappo.config import VLLM_ARGS_OWNED
+
+    where = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+    out = dict(extra)
+    if out.get("max_model_len", 0) is None:
+        del out["max_model_len"]
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    for k, v in out.items():
+        if k in VLLM_ARGS_OWNED:
+            raise ValueError(f"{where}.{k}: megappo sets it ({VLLM_ARGS_OWNED[k]})")
+        if k not in names:
+            raise ValueError(f"{where}.{k}: vLLM's engine takes no argument {k!r}")
+    if out.get("max_model_len", max_model_len) < max_model_len:
+        raise ValueError(f"{where}.max_model_len={out['max_model_len']} is shorter than a prompt and its response "
+                         f"(data.max_prompt_length + data.max_response_length = {max_model_len})")
+    return out
+
+
 class VLLMRollout:
     """A vLLM engine holding exactly the actor's weights, generating token ids with log-probs."""
 
@@ -143,7 +169,8 @@ class VLLMRollout:
                  kv_cache_memory_bytes: Optional[int] = None, enforce_eager: bool = True, seed: int = 0,
                  free_cache_engine: bool = False, eos_token_ids: Optional[Sequence[int]] = None,
                  pad_token_id: Optional[int] = None, load_format: str = "dummy",
-                 external_launcher: Optional[bool] = None, lora_rank: int = 0):
+                 external_launcher: Optional[bool] = None, lora_rank: int = 0,
+                 engine_kwargs: Optional[dict] = None, trust_remote_code: bool = False):
         self.device = device
         self.gpu_memory_utilization = gpu_memory_utilization   # named in a memory failure's hint
         self.model_path = os.path.expanduser(model_path)
@@ -172,7 +199,8 @@ class VLLMRollout:
         kw = dict(model=self.model_path, load_format=load_format, dtype=dtype, enforce_eager=enforce_eager,
                   skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
-                  seed=seed, enable_prefix_caching=True)
+                  seed=seed, enable_prefix_caching=True, trust_remote_code=trust_remote_code)
+        kw.update(vllm_engine_kwargs(engine_kwargs or {}, max_model_len))
         # LoRA: the engine serves the frozen base with one adapter slot; each sync replaces the
         # adapter (sync_lora). vLLM takes ranks up to 512 (its LoRAConfig.max_lora_rank choices).
         self.lora_rank, self.lora_request = lora_rank, None

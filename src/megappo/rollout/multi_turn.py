@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from megappo.seeds import turn_seed
-from megappo.tools import PARSERS, Tool, ToolRunner, load_tools, parse_hermes
+from megappo.tools import PARSERS, InteractionRunner, Tool, ToolRunner, load_tools, parse_hermes
 
 from .engine import SamplingConfig
 
@@ -60,7 +60,9 @@ class MultiTurnSample:
     step_rewards: list[float] = field(default_factory=list)  # each call's reward from execute
     tool_rewards: dict = field(default_factory=dict)         # each used tool's calc_reward at the end
     tool_seconds: float = 0.0
-    stop: str = ""        # length | max_assistant_turns | max_user_turns | no_tool_call
+    turn_scores: list[float] = field(default_factory=list)   # each interaction turn's score (verl's name)
+    messages: Optional[list] = None   # the conversation as messages (interactions read it); None without
+    stop: str = ""        # length | max_assistant_turns | max_user_turns | no_tool_call | interaction_done
 
     @property
     def num_turns(self) -> int:
@@ -165,25 +167,34 @@ def _after_model_turn(s: MultiTurnSample, ids: list[int], budget: int, limits: t
 
 
 def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner: ToolRunner,
-                        decode: Callable[[list[int]], str], tool_turn: Callable[[list[str]], list[int]],
+                        decode: Callable[[list[int]], str], tool_turn: Callable[..., list[int]],
                         max_response_length: int, max_assistant_turns: Optional[int] = None,
                         max_user_turns: Optional[int] = None, tools_kwargs: Optional[list[dict]] = None,
                         parse: Callable[[str], tuple] = parse_hermes,
-                        seeds: Optional[list[int]] = None) -> tuple[list[MultiTurnSample], dict]:
+                        seeds: Optional[list[int]] = None, interactions: Optional[InteractionRunner] = None,
+                        messages: Optional[list[list[dict]]] = None,
+                        interaction_kwargs: Optional[list[dict]] = None) -> tuple[list[MultiTurnSample], dict]:
     """Generate every prompt's conversation: model turn, tool calls (hermes), tool turn, ... until
     the model calls no tool, a turn limit is reached or ``max_response_length`` tokens after the
-    prompt are used (a tool turn that would reach it is not appended, as in verl). ``seeds``: each
-    sample's seed; its turn k samples with :func:`~megappo.seeds.turn_seed` of it (the engine's
-    ``generate`` gets ``seeds=``). Returns the samples and the step's metrics."""
+    prompt are used (a tool or user turn that would reach it is not appended, as in verl). ``seeds``:
+    each sample's seed; its turn k samples with :func:`~megappo.seeds.turn_seed` of it (the
+    engine's ``generate`` gets ``seeds=``). With ``interactions`` (and each prompt's chat
+    ``messages`` and ``interaction_kwargs``), a model turn that calls no tool is answered by the
+    sample's interaction: a user turn (``tool_turn(texts, role="user")``), until it ends the
+    conversation. Returns the samples and the step's metrics."""
     samples = [MultiTurnSample(list(p)) for p in prompts]
     kwargs = tools_kwargs or [{} for _ in prompts]
+    if interactions is not None:
+        for i, s in enumerate(samples):
+            s.messages = [dict(m) for m in messages[i]]
+            interactions.start(i, interaction_kwargs[i])
     active = list(range(len(prompts)))
     while active:
         turn = ([samples[i].prompt_ids + samples[i].response_ids for i in active],
                 [max_response_length - len(samples[i].response_ids) for i in active])
         outs = (engine.generate(*turn) if seeds is None else
                 engine.generate(*turn, seeds=[turn_seed(seeds[i], samples[i].assistant_turns) for i in active]))
-        callers = []
+        callers, asked = [], []
         for i, (ids, lps) in zip(active, outs):
             s = samples[i]
             room = max_response_length - len(s.response_ids)
@@ -194,30 +205,56 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
             s.assistant_turns += 1
             s.stop, calls = _after_model_turn(s, ids, max_response_length, (max_assistant_turns, max_user_turns),
                                               decode, parse)
+            if s.messages is not None:   # what an interaction reads: the text, as verl decodes it
+                s.messages.append({"role": "assistant", "content": decode(ids, skip_special_tokens=True)})
             if not s.stop:
                 callers.append((i, calls))
+            elif s.stop == "no_tool_call" and interactions is not None:
+                s.stop = ""
+                asked.append(i)
         results = runner.run_turn([i for i, _ in callers], [c for _, c in callers], [kwargs[i] for i, _ in callers])
         active = []
         for (i, _), answers in zip(callers, results):
             s = samples[i]
             s.step_rewards += [a.reward for a in answers]
             s.tool_seconds += sum(a.seconds for a in answers)
-            ids = tool_turn([a.text for a in answers])
-            if len(s.response_ids) + len(ids) >= max_response_length:
-                s.stop = "length"
+            if s.messages is not None:
+                s.messages += [{"role": "tool", "content": a.text} for a in answers]
+            if _append_turn(s, tool_turn([a.text for a in answers]), max_response_length):
+                active.append(i)
+        replies = interactions.respond(asked, [samples[i].messages for i in asked]) if asked else []
+        for i, (done, text, score) in zip(asked, replies):
+            s = samples[i]
+            s.turn_scores.append(score)
+            if done:   # the conversation is over: its last message is not the model's to answer
+                s.stop = "interaction_done"
                 continue
-            s.response_ids += ids
-            s.response_mask += [0] * len(ids)
-            s.logprobs += [0.0] * len(ids)
-            s.user_turns += 1
-            active.append(i)
+            s.messages.append({"role": "user", "content": text})
+            if _append_turn(s, tool_turn([text], role="user"), max_response_length):
+                active.append(i)
     for i, s in enumerate(samples):
         s.tool_rewards = runner.finish(i)
-    return samples, _metrics(samples, runner)
+        if interactions is not None:
+            interactions.finish(i)
+    return samples, _metrics(samples, runner, interactions)
 
 
-def _metrics(samples: list[MultiTurnSample], runner: ToolRunner) -> dict[str, float]:
-    return {**runner.pop_metrics(), **sample_metrics(samples)}
+def _append_turn(s: MultiTurnSample, ids: list[int], max_response_length: int) -> bool:
+    """Append a tool or user turn (out of the loss) unless it would reach the response budget
+    (then the sample stops at "length", as verl's loop); True when it was appended."""
+    if len(s.response_ids) + len(ids) >= max_response_length:
+        s.stop = "length"
+        return False
+    s.response_ids += ids
+    s.response_mask += [0] * len(ids)
+    s.logprobs += [0.0] * len(ids)
+    s.user_turns += 1
+    return True
+
+
+def _metrics(samples: list[MultiTurnSample], runner: ToolRunner, interactions=None) -> dict[str, float]:
+    return {**runner.pop_metrics(), **(interactions.pop_metrics() if interactions is not None else {}),
+            **sample_metrics(samples)}
 
 
 def sample_metrics(samples: list[MultiTurnSample]) -> dict[str, float]:

@@ -12,6 +12,8 @@
   ``megappo.tools.PythonSandbox``. :class:`Lookup` is the tool of the synthetic ``lookup`` task.
 - :func:`read_tool_config` / :func:`load_tools`: verl's tool config YAML and function-tool files;
   :func:`tools_kwargs_of` reads a row's ``extra_info.tools_kwargs``.
+- :class:`Interaction` / :class:`InteractionRunner`: a simulated user answering between the
+  model's turns (verl's interactions, ``multi_turn.interaction_config_path``).
 
 Importing this package imports neither torch nor vLLM.
 """
@@ -25,6 +27,8 @@ from .runner import TRUNCATE_SIDES, ToolResult, ToolRunner, truncate
 from .registry import (ToolConfigError, ToolSpec, load_tools, read_tool_config, tools_from_config,
                        tools_from_file, tools_kwargs_of)
 from .sandbox import PythonSandbox
+from .interaction import (Gsm8kInteraction, Interaction, InteractionError, InteractionRunner, InteractionSpec,
+                          interaction_kwargs_of, load_interactions, read_interaction_config)
 
 __all__ = ["FunctionTool", "Tool", "function_schema", "function_tool", "normalise_result", "schema_from_function",
            "ERROR_KINDS", "INVALID_ARGUMENTS", "MALFORMED_CALL", "MALFORMED_JSON", "TIMEOUT", "TOO_MANY_CALLS",
@@ -33,4 +37,6 @@ __all__ = ["FunctionTool", "Tool", "function_schema", "function_tool", "normalis
            "TRUNCATE_SIDES", "ToolResult", "ToolRunner", "truncate",
            "Calculator", "CalculatorError", "calculate", "Lookup", "PythonSandbox",
            "ToolConfigError", "ToolSpec", "load_tools", "read_tool_config", "tools_from_config",
-           "tools_from_file", "tools_kwargs_of"]
+           "tools_from_file", "tools_kwargs_of",
+           "Gsm8kInteraction", "Interaction", "InteractionError", "InteractionRunner", "InteractionSpec", "interaction_kwargs_of",
+           "load_interactions", "read_interaction_config"]

@@ -99,10 +99,8 @@ class Generation:
         items = [self.train_data[i] for i in self.next_indices]
         seeded = self.sampling(copy.copy(sampling), seeds.TRAIN, 0, step)
         if self.turns is not None:
-            from megappo.tools import tools_kwargs_of
-
-            self.engine.request_turns([it.prompt_ids for it in items],
-                                      [tools_kwargs_of(it.extra_info, it.origin) for it in items], seeded)
+            prompts, kwargs, contexts = self.turns.inputs(items)
+            self.engine.request_turns(prompts, kwargs, seeded, contexts)
         else:
             self.engine.request([it.prompt_ids for it in items], seeded)
 
@@ -128,6 +126,7 @@ class Generation:
         want, kept, kept_items, n_kept, n_prompts, rounds = self.cfg.data.train_batch_size, [], [], 0, 0, 0
         generated_scores, metrics = [], {}
         round_turn_metrics, kept_samples = [], []   # multi-turn: each round's, and the kept rows' samples
+        self.reward_details = []                     # what the reward function returned for each kept row
         while n_kept < want:
             if fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches:
                 raise RuntimeError(
@@ -152,6 +151,7 @@ class Generation:
             part.prompt_index = n_kept + torch.searchsorted(groups, part.prompt_index)  # groups 0..want-1
             kept.append(part)
             kept_items += [its[i] for i in rows.tolist()]
+            self.reward_details += [scores.details[i] if scores.details else None for i in rows.tolist()]
             if self.turns is not None:
                 round_turn_metrics.append(self.turn_metrics)
                 kept_samples += [self.turn_samples[i] for i in rows.tolist()]

@@ -22,7 +22,7 @@ from .generation import Generation
 from .replay import CriticReplay
 from .scoring import Scorer
 from .setup import set_library_log_level
-from .turns import MultiTurnRollout, tool_runner_of
+from .turns import MultiTurnRollout, check_interaction_rows, interaction_runner_of, tool_runner_of
 from .validation import validate
 
 __all__ = ["PPOTrainer"]
@@ -31,7 +31,6 @@ __all__ = ["PPOTrainer"]
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from megatron.core import parallel_state as ps
-        from transformers import AutoTokenizer
 
         from megappo import builders
         from megappo.data import PromptDataset, PromptSampler
@@ -54,7 +53,8 @@ class PPOTrainer:
         self.dp_group = host_dp_group()
         self.device = process_device(tr.device)
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(arr.model.path))
+        builders.import_external_lib(cfg)
+        self.tokenizer = builders.load_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Data and the reward function first: a bad row or a broken reward file is reported in
         # seconds, before vLLM starts and the models are built.
@@ -65,8 +65,11 @@ class PPOTrainer:
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                   return_raw_chat=d.return_raw_chat, tools=list(self.tools.schemas.values()) if self.tools else None,
                   chat_template_kwargs=d.apply_chat_template_kwargs)
-        self.train_data = PromptDataset(d.train_files, self.tokenizer, **ds)
-        self.val_data = PromptDataset(d.val_files, self.tokenizer, **ds) if d.val_files else None
+        ds.update(shuffle=d.shuffle, seed=d.seed)   # which rows *_max_samples keeps: verl's choice
+        self.train_data = PromptDataset(d.train_files, self.tokenizer, max_samples=d.train_max_samples, **ds)
+        self.val_data = (PromptDataset(d.val_files, self.tokenizer, max_samples=d.val_max_samples, **ds)
+                         if d.val_files else None)
+        check_interaction_rows(cfg, self.train_data, self.val_data)
         self.last_step = self.total_steps()   # fit() sets the run's last step
         if self.split:
             from .remote import RemoteRollout
@@ -92,8 +95,8 @@ class PPOTrainer:
         self.logger = MetricsLogger(tr.logger, os.path.expanduser(tr.default_local_dir), rank=self.rank,
                                     total_steps=self.last_step, project=tr.project_name,
                                     experiment=tr.experiment_name, config=to_dict(cfg))
-        turns = (MultiTurnRollout(cfg, self.engine, self.tokenizer, self.tools, self.pad_id, self.rank, self.world)
-                 if self.tools else None)
+        turns = (MultiTurnRollout(cfg, self.engine, self.tokenizer, self.tools, self.pad_id, self.rank, self.world,
+                                  interaction_runner_of(cfg) if not self.split else None) if self.tools else None)
         self.generation = Generation(cfg, self.engine, self.train_data, self.sampler, self.pad_id, self.rank,
                                      self.world, self.split is not None, self.timer, turns)
         self.scorer = Scorer(cfg, self.tokenizer, custom_reward, self.reward_model, self.batching.reward,
@@ -117,16 +120,7 @@ class PPOTrainer:
         watchdog.set_step(step)
         with t("step"):
             sampling = SamplingConfig.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
-            # rollout and reward: the step's global batch, on every rank
-            if cfg.algorithm.filter_groups.enable:   # DAPO: rounds of generate -> score -> keep varied groups
-                batch, items, reward_metrics = self.generation.dynamic_rounds(
-                    self.step_no, sampling, self.scorer, wake=lambda: self.sync.push(self.step_no))
-            else:
-                batch, items = self.generation.generate(self.step_no, sampling, self.last_step)
-                self.engine.sleep()   # the reward model and the trainer's passes need the memory
-                scores = self.scorer(batch, items)
-                batch.token_level_scores, batch.reward_components = scores.token_level, scores.components
-                reward_metrics = scores.metrics
+            batch, items, reward_metrics = self.rollout_and_reward(step, sampling)
             self.engine.sleep()
             batch.sample_index = torch.arange(len(batch))   # each row keeps its place in the global batch
             local = batch.select(self.dp_rows(batch))       # this DP rank's rows
@@ -173,6 +167,31 @@ class PPOTrainer:
             self.logger.log(step, metrics)
         return metrics
 
+    def rollout_and_reward(self, step: int, sampling) -> tuple[RolloutBatch, list, dict]:
+        """The step's global batch, scored, on every rank: generate then score, or DAPO's rounds
+        of generate -> score -> keep the varied groups (algorithm.filter_groups)."""
+        if self.cfg.algorithm.filter_groups.enable:
+            batch, items, reward_metrics = self.generation.dynamic_rounds(
+                self.step_no, sampling, self.scorer, wake=lambda: self.sync.push(self.step_no))
+            details = self.generation.reward_details
+        else:
+            batch, items = self.generation.generate(self.step_no, sampling, self.last_step)
+            self.engine.sleep()   # the reward model and the trainer's passes need the memory
+            scores = self.scorer(batch, items)
+            batch.token_level_scores, batch.reward_components = scores.token_level, scores.components
+            reward_metrics, details = scores.metrics, scores.details
+        self.dump_rollout(step, batch, items, details)
+        return batch, items, reward_metrics
+
+    def dump_rollout(self, step: int, batch: RolloutBatch, items: list, details: Optional[list]) -> None:
+        """trainer.rollout_data_dir: the step's samples, as verl writes them (rank 0)."""
+        if self.cfg.trainer.rollout_data_dir and self.rank == 0:
+            from megappo.metrics import dump_generations, generation_records
+
+            with self.timer("dump_rollout_generations"):
+                dump_generations(os.path.expanduser(self.cfg.trainer.rollout_data_dir), step, generation_records(
+                    self.tokenizer, batch, items, batch.token_level_scores.sum(-1), details))
+
     def dp_rows(self, batch: RolloutBatch) -> list[int]:
         """This DP rank's rows of a global batch (balanced per actor mini-batch)."""
         return phases.dp_rows(batch, self.cfg, self.batching, self.dp, self.dp_rank)
@@ -194,14 +213,20 @@ class PPOTrainer:
 
     # -- validation, checkpoints, the loop ---------------------------------------------------
     def validate(self) -> dict:
-        n = self.cfg.trainer.log_val_generations
-        samples = [] if n > 0 and self.logger.active else None   # decoded where they are logged
+        n, tr = self.cfg.trainer.log_val_generations, self.cfg.trainer
+        keep = (n > 0 and self.logger.active) or (tr.validation_data_dir and self.rank == 0)
+        records = [] if keep else None   # decoded where they are logged or written
         out = validate(self.cfg, self.val_data, self.generation, self.scorer, self.engine, self.timer, self.step_no,
-                       samples)
-        if samples:
+                       records)
+        if records and n > 0 and self.logger.active:
             from megappo.metrics import select_generations
 
+            samples = [(r["input"], r["output"], r["score"]) for r in records]
             self.logger.log_generations(self.step_no, select_generations(samples, n))
+        if records and tr.validation_data_dir and self.rank == 0:
+            from megappo.metrics import dump_generations
+
+            dump_generations(os.path.expanduser(tr.validation_data_dir), self.step_no, records)
         return out
 
     def algo_state(self) -> dict:
@@ -229,7 +254,10 @@ class PPOTrainer:
         tr = self.cfg.trainer
         self.last_step = self.total_steps() if steps is None else self.step_no + steps
         history = []
-        if self.step_no == 0 and tr.val_before_train and self.val_data is not None:
+        if tr.val_only:   # the checkpoint resumed from (or the start), validated; nothing trained
+            self.logger.log(self.step_no, {**self.validate(), **self.timer.pop()})
+            self.last_step = self.step_no
+        elif self.step_no == 0 and tr.val_before_train and self.val_data is not None:
             val = self.validate()
             self.timer.pop()
             self.logger.log(0, val)

@@ -84,19 +84,23 @@ class RemoteRollout:
                                                  "sampling": copy.copy(sampling)})
         self.pending = self.policy_version
 
-    def request_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig) -> None:
+    def request_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig,
+                      contexts: Optional[list] = None) -> None:
         """As :meth:`request`, for conversations with tool turns (``tools_kwargs``: each prompt's
-        tools' create kwargs); collect() returns (samples, their prompt indices, turn metrics)."""
+        tools' create kwargs; ``contexts``: each prompt's messages and interaction_kwargs, with
+        interactions); collect() returns (samples, their prompt indices, turn metrics)."""
         self._idle("request a generation")
         if self.policy_version is None:
             raise RuntimeError("RemoteRollout: no weights were sent to the rollout ranks yet")
         if self.groups.is_sender:
             split.send_command(self.groups, GENERATE_TURNS, {"prompts": [list(map(int, p)) for p in prompts],
-                                                             "tools_kwargs": tools_kwargs, "sampling": copy.copy(sampling)})
+                                                             "tools_kwargs": tools_kwargs, "sampling": copy.copy(sampling),
+                                                             "contexts": contexts})
         self.pending = self.policy_version
 
-    def generate_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig) -> tuple:
-        self.request_turns(prompts, tools_kwargs, sampling)
+    def generate_turns(self, prompts: list, tools_kwargs: list, sampling: SamplingConfig,
+                       contexts: Optional[list] = None) -> tuple:
+        self.request_turns(prompts, tools_kwargs, sampling, contexts)
         return self.collect()[0]
 
     def collect(self) -> tuple[RolloutOutput, int]:
@@ -133,6 +137,7 @@ def serve(cfg, groups) -> None:
     rollout group), commands executed until STOP."""
     from megappo import builders
 
+    builders.import_external_lib(cfg)
     engine = builders.build_engine(cfg)
     rtp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     turns = _turns(cfg, engine, groups)
@@ -147,17 +152,16 @@ def serve(cfg, groups) -> None:
 def _turns(cfg, engine, groups):
     """multi_turn.enable: the turn loop over this rank's engine, with the tools built here (they
     run where the engine is); else None."""
-    import os
+    from megappo import builders
 
-    from transformers import AutoTokenizer
-
-    from .turns import MultiTurnRollout, tool_runner_of
+    from .turns import MultiTurnRollout, interaction_runner_of, tool_runner_of
 
     runner = tool_runner_of(cfg)
     if runner is None:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.actor_rollout_ref.model.path))
-    return MultiTurnRollout(cfg, engine, tokenizer, runner, engine.pad_token_id, groups.role_rank, groups.role_world)
+    tokenizer = builders.load_tokenizer(cfg)
+    return MultiTurnRollout(cfg, engine, tokenizer, runner, engine.pad_token_id, groups.role_rank, groups.role_world,
+                            interaction_runner_of(cfg))
 
 
 _PHASES = {WEIGHTS: "rollout_weights", LORA: "rollout_weights", GENERATE: "rollout_generate", GENERATE_TURNS: "rollout_generate"}
@@ -181,7 +185,8 @@ def _serve_one(op, obj, engine, groups, rtp, turns=None) -> None:
         if turns is None:
             raise RuntimeError(f"rollout rank {groups.global_rank}: asked for tool turns, but multi_turn.enable is "
                                f"false in its configuration")
-        out = turns.generate(obj["prompts"], obj["tools_kwargs"], obj["sampling"], groups.role_rank, groups.role_world)
+        out = turns.generate(obj["prompts"], obj["tools_kwargs"], obj["sampling"], groups.role_rank, groups.role_world,
+                             obj.get("contexts"))
         if groups.bridge_rank == 1:
             split.send_object(groups, out)
     elif op == RESET_PREFIX_CACHE:

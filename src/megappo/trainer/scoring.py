@@ -21,6 +21,7 @@ class Scores:
     per_sample: dict              # name -> (B,): score, seq_reward, seq_final_reward (and acc): what filters read
     components: Optional[dict]    # name -> (B,) the reward function's components (algorithm.gdpo_reward_keys)
     metrics: dict                 # the shaping's metrics
+    details: Optional[list] = None  # per sample, what the reward function returned (a dict, or None)
 
 
 class Scorer:
@@ -70,7 +71,8 @@ class Scorer:
         if self.cfg.algorithm.filter_groups.metric == "acc":
             per_sample["acc"] = _acc(details, self.reward_model is not None)
         keys = self.cfg.algorithm.gdpo_reward_keys
-        return Scores(tls, per_sample, _reward_components(details, keys) if keys else None, metrics)
+        return Scores(tls, per_sample, _reward_components(details, keys) if keys else None, metrics,
+                      details if self.reward_model is None else None)
 
     def _assemble_rows(self, local: torch.Tensor, rows: list, n_rows: int) -> torch.Tensor:
         """The full batch's tensor from every DP rank's rows."""

@@ -12,8 +12,9 @@ __all__ = ["validate"]
 
 def validate(cfg, val_data, generation, scorer, engine, timer, step: int, samples: Optional[list] = None) -> dict:
     """``val-core/<data_source>/reward/mean@<n>`` (and ``best@<n>`` when n > 1). ``samples``
-    (a list) receives every sample as ``(input, output, score)``: the prompt and the response
-    decoded without special tokens, and the response's score."""
+    (a list) receives every sample's record (megappo.metrics.generation_records: input and
+    output decoded without special tokens, gts, score, and what the reward function returned)."""
+    from megappo.metrics import generation_records
     from megappo.rollout import SamplingConfig
 
     if val_data is None:
@@ -27,9 +28,10 @@ def validate(cfg, val_data, generation, scorer, engine, timer, step: int, sample
         scores = []
         for lo in range(0, len(items), size):
             batch, its = generation.rollout(items[lo:lo + size], sampling, step, salt=seeds.VALIDATION, offset=lo)
-            scores.append(scorer.rule_scores(batch, its).sum(-1))
+            details = [] if samples is not None else None
+            scores.append(scorer.rule_scores(batch, its, details).sum(-1))
             if samples is not None:
-                samples += _decoded(scorer.tokenizer, batch, its, scores[-1])
+                samples += generation_records(scorer.tokenizer, batch, its, scores[-1], details)
         scores = torch.cat(scores).view(len(items), sampling.n)
         # Training rollouts never see validation's cached prompts: a run resumed from the
         # checkpoint of this step (fresh engine, empty cache) then samples exactly as this one.
@@ -44,9 +46,3 @@ def validate(cfg, val_data, generation, scorer, engine, timer, step: int, sample
             out[f"val-core/{src}/reward/best@{n}"] = s.max(-1).values.mean().item()
     return out
 
-
-def _decoded(tokenizer, batch, items, scores: torch.Tensor) -> list:
-    lengths = batch.response_lengths
-    return [(tokenizer.decode(items[i].prompt_ids, skip_special_tokens=True),
-             tokenizer.decode(batch.responses[i, :int(lengths[i])].tolist(), skip_special_tokens=True),
-             float(scores[i])) for i in range(len(batch))]
