@@ -112,3 +112,24 @@ def test_hydras_required_marker_leaves_megappos_default(tmp_path):
     f.write_text("actor_rollout_ref:\n  rollout:\n    name: ???\n    n: 3\nreward_model:\n  rollout:\n    name: ???\n")
     cfg = load_config([], [str(f)])
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.actor_rollout_ref.rollout.n == 3
+
+
+FSDP_FILE = Path(__file__).with_name("verl_ppo_trainer.yaml")
+FSDP_LEAVES = [(k, v) for k, v in verl_defaults.leaves(yaml.safe_load(FSDP_FILE.read_text())) if v != "???"]
+
+
+def test_every_key_of_verls_fsdp_config_is_answered():
+    """verl's FSDP trainer config: no key is unknown; a refusal says megappo is Megatron-only or
+    names the megappo keys that take its place; verl's FSDP gradient clip is megappo's clip_grad."""
+    refused = {}
+    for key, value in FSDP_LEAVES:
+        status, _, what = verl_compat(f"{key}={_text(value)}")
+        assert status != "unknown", (key, what)
+        if status == "refused":
+            refused[key] = what
+    assert all("Megatron-only" in w or "megappo's (megatron's) schedule keys are" in w for w in refused.values()), refused
+    assert {k.rsplit(".", 1)[-1] for k in refused if "fsdp_config" not in k} == {
+        "optimizer_impl", "min_lr_ratio", "num_cycles", "lr_scheduler_type", "warmup_style", "strategy"}
+    assert verl_compat("actor_rollout_ref.actor.grad_clip=0.5") == (
+        "mapped", "actor_rollout_ref.actor.grad_clip", "sets actor_rollout_ref.actor.optim.clip_grad")
+    assert load_config(["critic.grad_clip=0.25"]).critic.optim.clip_grad == 0.25

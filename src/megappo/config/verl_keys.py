@@ -82,6 +82,9 @@ RENAMED = {"reward_model.forward_micro_batch_size_per_gpu": "reward_model.micro_
            **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward_model.overlong_buffer.{k}"
               for k in ("enable", "len", "penalty_factor")},
            "reward_model.reward_kwargs.max_resp_len": "reward_model.overlong_buffer.max_resp_len",
+           # verl's FSDP actor and critic clip gradients here; its Megatron ones (and megappo) in optim
+           "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+           "critic.grad_clip": "critic.optim.clip_grad",
            # vLLM's own arguments, which verl names in its rollout section
            **{f"actor_rollout_ref.rollout.{k}": f"actor_rollout_ref.rollout.engine_kwargs.vllm.{k}"
               for k in ("max_model_len", "enable_prefix_caching", "disable_log_stats", "cudagraph_capture_sizes",
@@ -102,6 +105,24 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.actor.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("actor_rollout_ref.ref.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
     ("critic.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
+    ("reward_model.strategy", _when(lambda v: v != "megatron", "error", MEGATRON_ONLY)),
+    # verl's FSDP configs: what megappo's Megatron keys say instead
+    *((f"*.optim.{k}", _always("error", "is verl's FSDP optimizer setting; megappo's (megatron's) schedule keys are "
+                                        "<role>.optim.lr_warmup_steps, lr_warmup_steps_ratio, lr_decay_style and min_lr"))
+      for k in ("optimizer_impl", "lr_scheduler_type", "warmup_style", "num_cycles", "min_lr_ratio")),
+    ("*.optim.optimizer", _when(lambda v: str(v).lower() not in ("adam", "adamw"), "error",
+                                "is not supported: megappo trains with megatron's Adam (AdamW: decoupled weight decay)")),
+    ("*.entropy_from_logits_with_chunking", _note("has no effect: megappo's log-prob and entropy kernel is vocab-parallel "
+                                                  "and chunked already (docs/memory.md)")),
+    ("*.entropy_checkpointing", _note("has no effect: megappo's log-prob and entropy kernel is vocab-parallel and "
+                                      "chunked already (docs/memory.md)")),
+    ("actor_rollout_ref.actor.use_remove_padding", lambda v: None),   # verl's copy of model.use_remove_padding
+    ("*.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
+    ("*.model.override_config", _when(lambda v: v not in (None, {}), "error", "is not supported: edit config.json in a copy of the model folder instead")),
+    ("*.optim.override_optimizer_config", _when(lambda v: v not in (None, {}), "error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired")),
+    ("*.model.enable_activation_offload", _when(_truthy, "error", "is not supported: megappo offloads parameters, gradients and optimizer state between phases (<role>.megatron.*_offload) and recomputes activations (<role>.megatron.override_transformer_config.recompute_*)")),
+    ("*.model.tiled_mlp.enabled", _when(_truthy, "error", "is not supported: megappo recomputes activations instead (<role>.megatron.override_transformer_config.recompute_*)")),
+    ("*.model.tiled_mlp.num_shards", lambda v: None),
     ("trainer.use_legacy_worker_impl", lambda v: None),
     # megappo computes sum pi^2 in the old-log-prob pass whenever the estimator needs it (forward only)
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", lambda v: None),
@@ -149,7 +170,8 @@ RULES: list[tuple[str, Rule]] = [
     # verl's global micro-batch sizes (deprecated there): megappo's are per GPU
     *((k, _when(lambda v: v is not None, "error", f"is not supported: set {k}_per_gpu (samples per micro-batch on each rank)"))
       for k in ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size", "critic.ppo_micro_batch_size")),
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size", "critic.ppo_micro_batch_size",
+                "critic.forward_micro_batch_size")),
     ("actor_rollout_ref.rollout.prompt_length", _always("error", "is not a setting here: megappo's is data.max_prompt_length")),
     ("actor_rollout_ref.rollout.response_length", _always("error", "is not a setting here: megappo's is data.max_response_length")),
     ("data.tokenizer", _when(lambda v: v is not None, "error", "is not supported: the tokenizer is actor_rollout_ref.model.path's")),
@@ -196,6 +218,14 @@ RULES: list[tuple[str, Rule]] = [
 _SELECT = re.compile(r"^\$\{oc\.select:[^,]*,(.*)\}$", re.S)
 
 
+def _role(key: str) -> str:
+    """The megappo section a verl key's role is configured in (for messages)."""
+    for prefix, role in (("critic.", "critic"), ("reward_model.", "critic"), ("actor_rollout_ref.ref.", "actor_rollout_ref.ref")):
+        if key.startswith(prefix):
+            return role
+    return "actor_rollout_ref.actor"
+
+
 def parse_value(value: Any) -> Any:
     """A value from the command line parsed as YAML, which approximates hydra's override grammar
     (verl's parser) on numbers, booleans, null and lists; the two are not checked to agree.
@@ -229,6 +259,7 @@ def check(key: str, value: Any) -> Optional[tuple[str, str]]:
             kind, text = ("warn", got[1]) if got[0] == "note" else got
             section = key.split(".fsdp_config")[0].replace(".model", "") if ".fsdp_config" in key else ""
             text = text.replace("<section>", section or "actor_rollout_ref.actor")
+            text = text.replace("<role>", _role(key))
             return (kind, f"{key}={v!r} {text}" if kind == "warn" else f"{text} (got {v!r})")
     if default:
         return ("ok", "")
