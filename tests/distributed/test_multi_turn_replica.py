@@ -1,4 +1,4 @@
-"""A rollout replica over two ranks (rollout TP 2): only its first rank runs the tools, and both
+"""A rollout replica over two ranks (rollout TP 2): only its first rank runs the tools (and the interactions), and both
 ranks continue every conversation with that rank's answers, so the engine's ranks are fed the
 same prompts even when a tool would answer each rank differently."""
 import json
@@ -40,6 +40,28 @@ def _replica(rank, world, out):
         "step": [s.step_rewards for s in samples], "final": [s.tool_rewards for s in samples],
         "calls": metrics["tools/calls"], "pid": os.getpid()}))
 
+    # an interaction (a simulated user) in the same replica: it too runs on the first rank only
+    from megappo.tools import Interaction, InteractionRunner
+
+    class Whoami(Interaction):
+        finalized = 0
+
+        def generate_response(self, instance_id, messages, **kwargs):
+            return len(messages) >= 5, f"user at rank {rank} pid {os.getpid()}", float(rank + 1), {}
+
+        def finalize_interaction(self, instance_id, **kwargs):
+            Whoami.finalized += 1
+
+    users = replica_tools(InteractionRunner({"who": Whoami({})}), rank, world, 2)
+    samples, metrics = multi_turn_generate(
+        Engine(), [[1, 2], [3]], runner=replica_tools(ToolRunner({}), rank, world, 2),
+        decode=lambda ids, skip_special_tokens=False: "no call", tool_turn=lambda texts, role="tool": [ord(c) for t in texts for c in t],
+        max_response_length=200, interactions=users, messages=[[{"role": "user", "content": "q"}]] * 2,
+        interaction_kwargs=[{"name": "who"}] * 2)
+    Path(out, f"{rank}.users.json").write_text(json.dumps({
+        "ids": [s.response_ids for s in samples], "scores": [s.turn_scores for s in samples],
+        "stop": [s.stop for s in samples], "turns": metrics["interaction/turns"], "finalized": Whoami.finalized}))
+
 
 def test_a_replicas_ranks_share_its_first_ranks_tool_answers(tmp_path):
     from harness import spawn
@@ -57,3 +79,10 @@ def test_a_replicas_ranks_share_its_first_ranks_tool_answers(tmp_path):
     answer = [ord(c) for c in f"rank 0 pid {r0['pid']}"]
     assert r0["ids"][0] == [7, 8, 9] + answer + [7, 8, 9] + answer + [7, 8, 9]
     assert r0["step"] == [[1.0, 1.0]] * 2 and r0["final"] == [{"who": 10.0}] * 2 and r0["calls"] == 4
+    u0, u1 = (json.loads((tmp_path / f"{r}.users.json").read_text()) for r in (0, 1))
+    for key in ("ids", "scores", "stop", "turns"):
+        assert u0[key] == u1[key], key
+    said = [ord(c) for c in f"user at rank 0 pid {r0['pid']}"]
+    assert u0["ids"][0] == [7, 8, 9] + said + [7, 8, 9] + said + [7, 8, 9] and u0["scores"] == [[1.0, 1.0, 1.0]] * 2
+    assert u0["stop"] == ["interaction_done"] * 2 and u0["turns"] == 6
+    assert (u0["finalized"], u1["finalized"]) == (2, 0)     # the instances live on the first rank
