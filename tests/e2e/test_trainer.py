@@ -116,7 +116,11 @@ def _grpo_worker(rank, world, model, train, test, run_dir):
                        "algorithm.kl_ctrl.type=adaptive", "trainer.logger=[file]", f"trainer.default_local_dir={run_dir}",
                        "data.max_response_length=6", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
                        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2",
-                       f"trainer.rollout_data_dir={run_dir}/rollouts", f"trainer.validation_data_dir={run_dir}/val"],
+                       f"trainer.rollout_data_dir={run_dir}/rollouts", f"trainer.validation_data_dir={run_dir}/val",
+                       # verl's batch reward manager: the echo reward, one call per batch, with an argument
+                       f"custom_reward_function.path={Path(run_dir).parent / 'judge.py'}",
+                       "custom_reward_function.name=judge", "reward_model.reward_manager=batch",
+                       "custom_reward_function.reward_kwargs.scale=1.0"],
                       ["tiny_cpu"])
     validate(cfg, check_paths=True, world_size=world)
     init_distributed(cfg)
@@ -152,6 +156,11 @@ def test_grpo_with_kl_loss_and_kl_in_reward(tmp_path):
     from megappo.data.tiny import make_tiny_setup
 
     p = make_tiny_setup(str(tmp_path / "tiny"))
+    (tmp_path / "judge.py").write_text(
+        "from megappo.rewards import get_reward_fn\n"
+        "def judge(data_sources, solution_strs, ground_truths, extra_infos, scale):\n"
+        "    return [{'score': scale * get_reward_fn(d)(s, g, e), 'batch': len(solution_strs)}\n"
+        "            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]\n")
     spawn(_grpo_worker, 2, p["model"], p["train"], p["test"], str(tmp_path / "run"))
     rows = read_metrics(tmp_path / "run")
     val2 = VAL.replace("@1", "@2")
@@ -180,6 +189,7 @@ def test_grpo_with_kl_loss_and_kl_in_reward(tmp_path):
     for step, row in zip((1, 2, 3), rows):
         recs = dumped(tmp_path / "run" / "rollouts" / f"{step}.jsonl")
         assert len(recs) == 8 * 4 and {r["step"] for r in recs} == {step}
+        assert {r["batch"] for r in recs} == {8 * 4}        # the batch function saw the step's whole batch
         assert sum(r["score"] for r in recs) / len(recs) == pytest.approx(row["critic/score/mean"], abs=1e-6)
         assert all(r["input"].startswith("echo") for r in recs)
     first = read_metrics(tmp_path / "run")[0]

@@ -606,6 +606,8 @@ RULES = [
      "must be true with multi_turn.interaction_config_path"),
     ([R + "multi_turn.enable=true", R + "multi_turn.interaction_config_path={tmp}/reward.py"], PATHS,
      R + "multi_turn.interaction_config_path", "expected a mapping with a non-empty 'interaction' list"),
+    (["reward_model.reward_manager=batch"], {}, "reward_model.reward_manager",
+     "batch calls custom_reward_function.path's function with lists"),
     (["trainer.val_only=true", "data.val_files=[]"], {}, "data.val_files",
      "must name validation files when trainer.val_only=true"),
     (["data.train_max_samples=0"], {}, "data.train_max_samples", "must be -1 (every row) or a positive number of rows, got 0"),

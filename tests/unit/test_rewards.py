@@ -117,6 +117,39 @@ def test_reward_kwargs_reach_every_call_and_are_checked_first(tmp_path):
         load_custom_reward(str(f), reward_kwargs={"extra_info": {}})     # one of the four: given twice
 
 
+def test_batch_reward_manager_calls_the_function_once_with_the_lists(tmp_path):
+    """reward_model.reward_manager=batch (verl's BatchRewardManager): one call per batch with
+    keyword lists (and reward_kwargs); one score per sample back, numbers or dicts; the same
+    scores as the per-sample path of an equivalent function; a wrong count or shape is named."""
+    f = tmp_path / "judge.py"
+    f.write_text("calls = []\n"
+                 "def judge(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):\n"
+                 "    calls.append(len(solution_strs))\n"
+                 "    return [{'score': float(s == g) + bonus, 'src': d} if i % 2 else float(s == g) + bonus\n"
+                 "            for i, (d, s, g) in enumerate(zip(data_sources, solution_strs, ground_truths))]\n"
+                 "def one(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+                 "    return float(solution_str == ground_truth) + bonus\n"
+                 "def short(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                 "    return [1.0]\n"
+                 "def scalar(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                 "    return 1.0\n")
+    fn = load_custom_reward(str(f), "judge", {"bonus": 0.5}, batched=True)
+    details = []
+    sols, truths = ["a", "b", "a", "c"], ["a", "a", "a", "c"]
+    got = score_batch(["x", "y", "x", "y"], sols, truths, [{}] * 4, custom=fn, details=details)
+    assert got == score_batch(["x"] * 4, sols, truths, custom=load_custom_reward(str(f), "one", {"bonus": 0.5}))
+    assert got == [1.5, 0.5, 1.5, 1.5] and details == [None, {"score": 0.5, "src": "y"}, None, {"score": 1.5, "src": "y"}]
+    assert fn.func.__globals__["calls"] == [4]          # one call for the batch
+    with pytest.raises(RewardFunctionError, match="judge.py:short returned 1 scores for a batch of 2 samples"):
+        score_batch(["x", "x"], ["a", "b"], ["a", "a"], custom=load_custom_reward(str(f), "short", batched=True))
+    with pytest.raises(RewardFunctionError, match="returned float; expected a list of 2 scores"):
+        score_batch(["x", "x"], ["a", "b"], ["a", "a"], custom=load_custom_reward(str(f), "scalar", batched=True))
+    with pytest.raises(RewardFunctionError, match="must accept data_sources=, solution_strs=, ground_truths=, extra_infos="):
+        load_custom_reward(str(f), "one", batched=True)
+    with pytest.raises(RewardFunctionError, match=r"and custom_reward_function.reward_kwargs \['typo'\]"):
+        load_custom_reward(str(f), "judge", {"typo": 1}, batched=True)
+
+
 def test_words_task():
     rows = synthetic.make_words_rows(40, seed=2)
     assert {r["reward_model"]["ground_truth"] for r in rows} == set(synthetic.CATEGORIES)

@@ -363,6 +363,7 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = _f(Ref("critic.forward_micro_batch_size_per_gpu"), "Samples per micro-batch of the reward-model pass.")
     use_dynamic_bsz: bool = _f(Ref("critic.use_dynamic_bsz"), "Token-budget micro-batches for the reward-model pass.")
     forward_max_token_len_per_gpu: int = _f(Ref("critic.forward_max_token_len_per_gpu"), "Token budget per micro-batch of the reward-model pass.")
+    reward_manager: Literal["naive", "dapo", "batch"] = _f("naive", "How the rule or custom reward function is called (verl's reward managers): naive and dapo once per sample, fn(data_source, solution_str, ground_truth, extra_info) (dapo: DAPO's overlong penalty is reward_model.overlong_buffer.*, for any manager); batch once per batch with lists, fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs) -> one score (a number or a dict with 'score') per sample, for a custom_reward_function that batches its work (an LLM judge, a sandbox pool).")
     overlong_buffer: OverlongBufferConfig = _sub(OverlongBufferConfig, "DAPO's overlong reward shaping (any scorer).")
 
 

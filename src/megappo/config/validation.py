@@ -481,6 +481,10 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
         need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
         need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
              "must be set unless reward_model.use_dynamic_bsz")
+    if cfg.reward_model.reward_manager == "batch":
+        need(bool(cfg.custom_reward_function.path) and not cfg.reward_model.enable, "reward_model.reward_manager",
+             "batch calls custom_reward_function.path's function with lists: set custom_reward_function.path "
+             "(and no reward model)")
     ob = cfg.reward_model.overlong_buffer
     if ob.enable:
         if ob.max_resp_len is None:

@@ -327,7 +327,6 @@ DEFAULTS: dict[str, Any] = {
     'reward_model.model.override_config': {},
     'reward_model.micro_batch_size': None,
     'reward_model.max_length': None,
-    'reward_model.reward_manager': 'naive',
     'reward_model.reward_loop_source': 'register',
     'reward_model.reward_loop_module_path': None,
     'reward_model.reward_loop_class_name': None,

@@ -202,7 +202,6 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _when(lambda v: v is not None, "error", "is not supported: samples per prompt are actor_rollout_ref.rollout.n")),
     ("actor_rollout_ref.rollout.multi_turn.completion_callback", _when(lambda v: v is not None, "error", "is not supported: completion callbacks are not implemented")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's multi-turn settings are enable, max_assistant_turns, max_user_turns, max_parallel_calls, max_tool_response_length, tool_response_truncate_side, tool_config_path, function_tool_path and format")),
-    ("reward_model.reward_manager", _when(lambda v: v not in ("naive", "dapo"), "error", "must be naive or dapo: megappo scores with the rule or custom function, or reward_model.enable; DAPO's overlong penalty is reward_model.overlong_buffer.*")),
     ("reward_model.overlong_buffer.log", lambda v: None),   # megappo always logs the penalty's batch metrics
     ("reward_model.reward_kwargs.overlong_buffer_cfg.log", lambda v: None),   # (the same)
     ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported: DAPO's overlong penalty takes enable, len, penalty_factor and log (reward_model.overlong_buffer.* here)")),

@@ -82,10 +82,13 @@ def get_reward_fn(data_source: str) -> Callable:
                        "or set custom_reward_function.path") from None
 
 
-def load_custom_reward(path: str, name: str = "compute_score", reward_kwargs: Optional[dict] = None) -> Callable:
+def load_custom_reward(path: str, name: str = "compute_score", reward_kwargs: Optional[dict] = None,
+                       batched: bool = False) -> Callable:
     """Load ``name`` from a Python file, as verl's custom_reward_function does. The function is
     called as fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs) and returns
-    a float or a dict with a "score" entry. ``reward_kwargs`` (custom_reward_function.reward_kwargs)
+    a float or a dict with a "score" entry; ``batched`` (verl's batch reward manager): once per
+    batch as fn(data_sources=, solution_strs=, ground_truths=, extra_infos=, **reward_kwargs),
+    returning one such score per sample. ``reward_kwargs`` (custom_reward_function.reward_kwargs)
     must fit its signature: checked here, before any sample is scored."""
     p = os.path.expanduser(path)
     if not os.path.isfile(p):
@@ -100,16 +103,28 @@ def load_custom_reward(path: str, name: str = "compute_score", reward_kwargs: Op
     if not callable(fn):
         raise RewardFunctionError(f"custom_reward_function.name: {path} defines no function {name!r}")
     params = inspect.signature(fn).parameters
-    if len(params) < 4 and not any(q.kind == q.VAR_POSITIONAL or q.kind == q.VAR_KEYWORD for q in params.values()):
+    if batched:
+        try:
+            inspect.signature(fn).bind(data_sources=[], solution_strs=[], ground_truths=[], extra_infos=[],
+                                       **(reward_kwargs or {}))
+        except TypeError as e:
+            raise RewardFunctionError(
+                f"{path}:{name} must accept data_sources=, solution_strs=, ground_truths=, extra_infos= (lists: "
+                f"reward_model.reward_manager=batch)" + (f" and custom_reward_function.reward_kwargs "
+                                                         f"{sorted(reward_kwargs)}" if reward_kwargs else "")
+                + f": {e}") from None
+    elif len(params) < 4 and not any(q.kind == q.VAR_POSITIONAL or q.kind == q.VAR_KEYWORD for q in params.values()):
         raise RewardFunctionError(f"{path}:{name} must accept (data_source, solution_str, ground_truth, extra_info)")
     if reward_kwargs:
         try:
-            inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {}, **reward_kwargs)
+            if not batched:
+                inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {}, **reward_kwargs)
         except TypeError as e:
             raise RewardFunctionError(f"custom_reward_function.reward_kwargs: {path}:{name} cannot take "
-                                      f"{sorted(reward_kwargs)} after (data_source, solution_str, ground_truth, "
-                                      f"extra_info): {e}") from None
+                                      f"{sorted(reward_kwargs)} beside its reward arguments: {e}") from None
         fn = functools.partial(fn, **reward_kwargs)
+    if batched:
+        fn.megappo_batched = True
     fn.megappo_origin = f"{path}:{name}"
     return fn
 
@@ -123,26 +138,33 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
                 details: Optional[list] = None) -> list[float]:
     """Score every sample; a failing or non-finite reward raises RewardFunctionError naming the
     sample (verl v0.9.0's reward manager stops on an exception too, with less said, but lets NaN/inf
-    through and scores a timed-out call 0).
+    through and scores a timed-out call 0). A ``custom`` function loaded ``batched`` is called once
+    with the lists (verl's batch reward manager) and must return one score per sample.
     ``details``: a list that receives, per sample, the dict a reward function returned (e.g. with
     DAPO's ``acc``), or None for a plain number."""
     import math
 
     extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
-    out = []
-    for i, (ds, sol, gt, extra) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
-        if custom is not None:
-            fn, where, args = custom, _origin(custom), (ds, sol, gt, extra)
-        else:
+    if custom is not None and getattr(custom, "megappo_batched", False):
+        results, wheres = _score_batched(custom, data_sources, solutions, ground_truths, extra_infos)
+    else:
+        results, wheres = [], []
+        for i, (ds, sol, gt, extra) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+            if custom is not None:
+                fn, where, args = custom, _origin(custom), (ds, sol, gt, extra)
+            else:
+                try:
+                    fn = get_reward_fn(ds)
+                except KeyError as e:
+                    raise RewardFunctionError(f"sample {i}: {e.args[0]}") from None
+                where, args = f"built-in reward for {ds!r}", (sol, gt, extra)
             try:
-                fn = get_reward_fn(ds)
-            except KeyError as e:
-                raise RewardFunctionError(f"sample {i}: {e.args[0]}") from None
-            where, args = f"built-in reward for {ds!r}", (sol, gt, extra)
-        try:
-            r = fn(*args)
-        except Exception as e:
-            raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+                results.append(fn(*args))
+            except Exception as e:
+                raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+            wheres.append(where)
+    out = []
+    for i, (ds, where, r) in enumerate(zip(data_sources, wheres, results)):
         if details is not None:
             details.append(r if isinstance(r, dict) else None)
         if isinstance(r, dict):
@@ -157,3 +179,20 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
             raise RewardFunctionError(f"{where} returned {r} for sample {i} (data_source={ds!r}); rewards must be finite")
         out.append(r)
     return out
+
+
+def _score_batched(custom: Callable, data_sources, solutions, ground_truths, extra_infos) -> tuple[list, list]:
+    """One call of a batch reward function with the lists; its per-sample results, checked for count."""
+    where, n = _origin(custom), len(solutions)
+    try:
+        results = custom(data_sources=list(data_sources), solution_strs=list(solutions),
+                         ground_truths=list(ground_truths), extra_infos=list(extra_infos))
+    except Exception as e:
+        raise RewardFunctionError(f"{where} raised on a batch of {n} samples: {type(e).__name__}: {e}") from e
+    if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__"):
+        raise RewardFunctionError(f"{where} returned {type(results).__name__}; expected a list of {n} scores "
+                                  "(reward_model.reward_manager=batch)")
+    results = list(results)
+    if len(results) != n:
+        raise RewardFunctionError(f"{where} returned {len(results)} scores for a batch of {n} samples")
+    return results, [where] * n

@@ -59,7 +59,8 @@ class PPOTrainer:
         # Data and the reward function first: a bad row or a broken reward file is reported in
         # seconds, before vLLM starts and the models are built.
         crf = cfg.custom_reward_function
-        custom_reward = load_custom_reward(crf.path, crf.name, crf.reward_kwargs) if crf.path else None
+        custom_reward = (load_custom_reward(crf.path, crf.name, crf.reward_kwargs,
+                                            batched=cfg.reward_model.reward_manager == "batch") if crf.path else None)
         self.tools = tool_runner_of(cfg)   # multi-turn: the tools, built once (None: one turn)
         ds = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
