@@ -303,6 +303,15 @@ def test_mapping_keys_take_verls_forms(tmp_path):
         assert ei.value.errors[0][0] == override.split("=")[0] and fragment in ei.value.errors[0][1]
     with pytest.raises(ConfigError, match="custom_reward_function.reward_kwargs.x.y: 'x' holds a value"):
         load_config(["custom_reward_function.reward_kwargs.x=1", "custom_reward_function.reward_kwargs.x.y=2"])
+    # entries read as OmegaConf reads them (1e-3 a number, on/yes text), references resolved
+    f.write_text("custom_reward_function:\n  reward_kwargs: {lr: 1e-3, mode: on, n: '${data.max_response_length}'}\n")
+    cfg = load_config(["custom_reward_function.reward_kwargs.tag=len ${data.max_prompt_length}",
+                       "custom_reward_function.reward_kwargs.eps=2e-5", "custom_reward_function.reward_kwargs.flag=yes"],
+                      ["tiny_cpu", str(f)])
+    assert cfg.custom_reward_function.reward_kwargs == {"lr": 0.001, "mode": "on", "n": 32, "tag": "len 64",
+                                                        "eps": 2e-5, "flag": "yes"}
+    with pytest.raises(ConfigError, match="custom_reward_function.reward_kwargs: unknown config key 'data.nope'"):
+        load_config(["custom_reward_function.reward_kwargs.n=${data.nope}"])
 
 
 def _saved(tmp_path, cfg):

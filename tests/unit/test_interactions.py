@@ -110,6 +110,16 @@ def test_turn_limits_stop_the_conversation(tok, kw, stop, scores):
     assert s.stop == stop and s.turn_scores == scores and s.response_mask[-1] == 1
 
 
+def test_a_turn_without_a_score_records_none(tok):
+    """A turn whose score is None is not recorded in turn_scores (verl appends only given scores)."""
+    class Unscored(Interaction):
+        def generate_response(self, instance_id, messages, **kwargs):
+            return len(messages) >= 4, "more", None, {}
+
+    (s,), _, _ = run(tok, [["a", "b"]], ["q"], InteractionRunner({"guess": Unscored({})}), ["x"])
+    assert s.turn_scores == [] and s.assistant_turns == 2 and s.stop == "interaction_done"
+
+
 def test_a_verl_shaped_async_interaction_runs_as_it_is(tok):
     VerlShaped.finalized = 0
     runner = InteractionRunner({"guess": VerlShaped({"name": "guess"})})

@@ -218,6 +218,20 @@ def test_a_template_that_cannot_place_a_tool_turn_is_refused(tok):
                            "{% endfor %}")
     with pytest.raises(ValueError, match="leaves 'tool' messages out of what it renders after an assistant turn"):
         ToolTurnTokens(silent, [tok.eos_token_id])
+    # roles must alternate: one user message after an assistant turn renders (an interaction's turn)
+    strict = with_template("{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+                           "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                           "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    turns = ToolTurnTokens(strict, [tok.eos_token_id], roles=("user",))
+    assert tok.decode(turns(["hi"], role="user")) == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a template that writes the last assistant turn's EOS only when messages follow: the delta would
+    # hold the assistant's turn again
+    late_eos = with_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                             "{% if not (loop.last and m.role == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match="renders the assistant's turn again after it when a 'tool' message follows"):
+        ToolTurnTokens(late_eos, [tok.eos_token_id])
     no_eos = with_template("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")   # the model's EOS unseen
     assert tok.decode(ToolTurnTokens(no_eos, [tok.eos_token_id])(["x"])) == "[tool]x"
     no_eos_last = with_template("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m.content }}{% endfor %}")

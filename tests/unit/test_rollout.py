@@ -353,7 +353,8 @@ def test_engine_kwargs_reach_vllm_and_are_checked_first(models):
         vllm_engine_kwargs({"swap_space": 4}, 256)
     with pytest.raises(ValueError, match=where + r"max_model_len=100 is shorter than a prompt and its response .* = 256"):
         vllm_engine_kwargs({"max_model_len": 100}, 256)
-    assert vllm_engine_kwargs({"max_model_len": None, "max_logprobs": 3}, 256) == {"max_logprobs": 3}   # null: megappo's
+    # null: vLLM's default (megappo's max_model_len), dropped as verl drops it
+    assert vllm_engine_kwargs({"max_model_len": None, "max_logprobs": 3, "kv_cache_dtype": None}, 256) == {"max_logprobs": 3}
     root, _, _ = models
     gc.unfreeze()
     eng = VLLMRollout(str(root / "a"), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20,

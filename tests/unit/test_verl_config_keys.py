@@ -10,9 +10,10 @@ import yaml
 from megappo.config import ConfigError, load_config
 from megappo.config import verl_defaults
 from megappo.config.parse import verl_compat
+from megappo.config.yamlio import yaml_load
 
 VERL_FILE = Path(__file__).with_name("verl_ppo_megatron_trainer.yaml")
-LEAVES = [(k, v) for k, v in verl_defaults.leaves(yaml.safe_load(VERL_FILE.read_text())) if v != "???"]
+LEAVES = [(k, v) for k, v in verl_defaults.leaves(yaml_load(VERL_FILE.read_text())) if v != "???"]
 
 # what megappo says of verl's defaults, and only these: each names a real difference
 DEFAULT_WARNINGS = ["actor_rollout_ref.actor.megatron.use_mbridge=True has no effect",
@@ -115,7 +116,7 @@ def test_hydras_required_marker_leaves_megappos_default(tmp_path):
 
 
 FSDP_FILE = Path(__file__).with_name("verl_ppo_trainer.yaml")
-FSDP_LEAVES = [(k, v) for k, v in verl_defaults.leaves(yaml.safe_load(FSDP_FILE.read_text())) if v != "???"]
+FSDP_LEAVES = [(k, v) for k, v in verl_defaults.leaves(yaml_load(FSDP_FILE.read_text())) if v != "???"]
 
 
 def test_every_key_of_verls_fsdp_config_is_answered():

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megappo.config.schema import ConfigError, PPOConfig, Ref, all_keys
+from megappo.config.yamlio import yaml_load
 from megappo.config.schema import _is_section, _locate
 
 # ---------------------------------------------------------------------------------------------
@@ -21,6 +22,7 @@ from megappo.config.schema import _is_section, _locate
 # ---------------------------------------------------------------------------------------------
 
 MISSING = "???"   # Hydra's marker of a value the user must give
+
 _REF_RE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 _NULLS = {"null", "none", "~"}
 _TRUE = {"true", "yes", "on"}
@@ -129,7 +131,7 @@ def _coerce_mapping(value: Any, from_text: bool) -> dict:
     mapping; null is the empty mapping. Its entries are set one by one as ``<key>.<entry>=value``."""
     if isinstance(value, str) and from_text:
         try:
-            value = yaml.safe_load(value) if value.strip() else None
+            value = yaml_load(value) if value.strip() else None
         except yaml.YAMLError as e:
             raise ValueError(f"cannot parse {value!r} as a mapping: {e}") from None
     if value is None:
@@ -230,7 +232,7 @@ def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:
         mapping, keys = entry
         if from_text and isinstance(value, str):
             try:
-                value = yaml.safe_load(value) if value.strip() else ""
+                value = yaml_load(value) if value.strip() else ""
             except yaml.YAMLError:
                 value = value.strip()
         for k in keys[:-1]:
@@ -367,6 +369,25 @@ def _resolve(cfg: PPOConfig, errors: list[tuple[str, str]]) -> None:
             errors.append((key, e.args[0] if isinstance(e, KeyError) else str(e)))
             done[key] = None
 
+    def in_mapping(v: Any, where: str) -> Any:   # ${a.b} inside a mapping key's values
+        if isinstance(v, dict):
+            return {k: in_mapping(x, f"{where}.{k}") for k, x in v.items()}
+        if isinstance(v, list):
+            return [in_mapping(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, str) and "${" in v:
+            whole = _REF_RE.match(v.strip())
+            return value_of(whole.group(1), (where,)) if whole else _TMPL_RE.sub(
+                lambda m: str(value_of(m.group(1), (where,))), v)
+        return v
+
+    for key in all_keys():
+        obj, name, tp = _locate(cfg, key)
+        if tp is dict or typing.get_origin(tp) is dict:
+            try:
+                setattr(obj, name, in_mapping(getattr(obj, name), key))
+            except (KeyError, ValueError) as e:
+                errors.append((key, e.args[0] if isinstance(e, KeyError) else str(e)))
+
 
 # ---------------------------------------------------------------------------------------------
 # Loading
@@ -430,7 +451,7 @@ def _read_yaml(path: Path, errors: list) -> Optional[tuple[dict, dict[str, int]]
                                    f"(byte 0x{raw[e.start]:02x} at offset {e.start})"))
         return None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         errors.append(("--config", _yaml_error(path, e)))
         return None

@@ -386,7 +386,7 @@ class TrainerConfig:
     save_freq: int = _f(-1, "Checkpoint every N steps (and at the end); -1 disables.")
     test_freq: int = _f(-1, "Validate every N steps (and at the end); -1 disables.")
     val_before_train: bool = _f(True, "Validate once before the first step.")
-    val_only: bool = _f(False, "Validate once (the checkpoint resumed from, or the start) and stop, training nothing (verl's key).")
+    val_only: bool = _f(False, "Validate once (the checkpoint resumed from, or the start) and stop, training nothing (verl's key; verl stops only when val_before_train is true too, and trains otherwise).")
     rollout_data_dir: Optional[str] = _f(None, "Write every step's samples to <dir>/<step>.jsonl (verl's key and fields: input, output, gts, score, step, and what the reward function returned beside its score); null: none.")
     validation_data_dir: Optional[str] = _f(None, "Write each validation's samples to <dir>/<step>.jsonl, as rollout_data_dir; null: none.")
     critic_warmup: int = _f(0, "Steps that train only the critic before the actor starts updating.")

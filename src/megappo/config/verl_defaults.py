@@ -454,13 +454,12 @@ def leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def table_of(verl_yaml: str) -> dict[str, Any]:
     """The table for verl's generated Megatron trainer config at ``verl_yaml``."""
-    import yaml
-
+    from megappo.config.yamlio import yaml_load
     from megappo.config.schema import all_keys
 
     ours = set(all_keys())
     with open(verl_yaml) as f:
-        tree = yaml.safe_load(f)
+        tree = yaml_load(f.read())
     return {k: v for k, v in leaves(tree) if k not in ours and v != "???"}
 
 

@@ -233,8 +233,10 @@ def parse_value(value: Any) -> Any:
     if isinstance(value, str) and _SELECT.match(value.strip()):
         value = _SELECT.match(value.strip()).group(1).strip()
     if isinstance(value, str):
+        from megappo.config.yamlio import yaml_load
+
         try:
-            return yaml.safe_load(value)
+            return yaml_load(value)
         except yaml.YAMLError:
             return value
     return value

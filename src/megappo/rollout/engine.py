@@ -145,9 +145,7 @@ def vllm_engine_kwargs(extra: dict, max_model_len: int) -> dict:
     from megappo.config import VLLM_ARGS_OWNED
 
     where = "actor_rollout_ref.rollout.engine_kwargs.vllm"
-    out = dict(extra)
-    if out.get("max_model_len", 0) is None:
-        del out["max_model_len"]
+    out = {k: v for k, v in extra.items() if v is not None}   # null: vLLM's default (megappo's for max_model_len), as verl
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     for k, v in out.items():
         if k in VLLM_ARGS_OWNED:

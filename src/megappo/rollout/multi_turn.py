@@ -92,46 +92,62 @@ class ToolTurnTokens:
                  roles: Sequence[str] = ("tool",)):
         self.tokenizer, self.eos = tokenizer, set(int(t) for t in eos_token_ids)
         self.kwargs = dict(chat_template_kwargs or {})
-        self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        base = _ids(tokenizer.apply_chat_template(self._base, tokenize=True, **self.kwargs))
-        self._base_ids = base
-        # EOS tokens up to the assistant's, included; a template that writes none (the model's EOS
-        # ends its turn unseen, e.g. megappo's tiny one) must render the short conversation as a prefix
-        self._turn_end = sum(1 for t in base if t in self.eos)
         self._checked_roles: set = set()
         for role in roles:    # checked now, before any work; other roles on their first use
             self._check(role)
 
+    def _render(self, content: str, texts: Optional[list[str]] = None, role: str = "tool") -> list[int]:
+        """A user turn, an assistant turn saying ``content`` and (``texts``) the new messages with
+        the generation prompt, rendered."""
+        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": content}]
+        if texts is None:
+            return _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, **self.kwargs))
+        msgs += [{"role": role, "content": t} for t in texts]
+        return _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **self.kwargs))
+
+    def _delta(self, texts: list[str], role: str, content: str = "a") -> list[int]:
+        base, full = self._render(content), self._render(content, texts, role)
+        # EOS tokens up to the assistant's, included; a template that writes none (the model's EOS
+        # ends its turn unseen, e.g. megappo's tiny one) must render the short conversation as a prefix
+        turn_end = sum(1 for t in base if t in self.eos)
+        if not turn_end:
+            if full[:len(base)] != base:
+                raise ValueError("the chat template writes no EOS token and renders the earlier turns differently once "
+                                 "messages follow, so the turn has no token-exact continuation with this template")
+            return full[len(base):]
+        ends = [i for i, t in enumerate(full) if t in self.eos]
+        if len(ends) < turn_end:
+            raise ValueError("the chat template ends fewer turns with EOS once messages follow an assistant turn, "
+                             "so the turn has no token-exact continuation with this template")
+        return full[ends[turn_end - 1] + 1:]
+
     def _check(self, role: str) -> None:
-        """Refuse a template whose rendering of a ``role`` message is not where the delta is taken."""
+        """Refuse a template whose rendering of a ``role`` message is not where the delta is taken:
+        it must render one message (templates that need roles to alternate take one user message
+        after an assistant turn), its text must be in the delta, and the delta must not depend on
+        what the assistant said (a template that writes the last assistant turn's EOS only once
+        messages follow would put the assistant's turn in it)."""
         self._checked_roles.add(role)
         try:
-            one, two = self(["x"], role=role), self(["x", "x"], role=role)
+            short, long = self._delta(["x"], role), self._delta(["x x x x"], role)
+            other = self._delta(["x"], role, content="a a a a")
         except ValueError:
             raise
         except Exception as e:   # jinja's raise_exception: e.g. roles must alternate, no tool role
             raise ValueError(f"the chat template cannot render a {role!r} message after an assistant turn "
                              f"({type(e).__name__}: {e})") from None
-        if len(two) <= len(one):
+        if len(long) <= len(short):
             raise ValueError(f"the chat template leaves {role!r} messages out of what it renders after an assistant "
-                             f"turn (one message and two render as {len(one)} and {len(two)} tokens)")
+                             f"turn (their text does not change it)")
+        if other != short:
+            raise ValueError(f"the chat template renders the assistant's turn again after it when a {role!r} message "
+                             f"follows (it writes that turn's EOS only then), so the turn has no token-exact "
+                             f"continuation with this template")
 
     def __call__(self, texts: list[str], role: str = "tool") -> list[int]:
         if role not in self._checked_roles:
             self._check(role)
-        msgs = self._base + [{"role": role, "content": t} for t in texts]
-        full = _ids(self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True,
-                                                       **self.kwargs))
-        if not self._turn_end:
-            if full[:len(self._base_ids)] != self._base_ids:
-                raise ValueError("the chat template writes no EOS token and renders the earlier turns differently once "
-                                 "messages follow, so the turn has no token-exact continuation with this template")
-            return full[len(self._base_ids):]
-        ends = [i for i, t in enumerate(full) if t in self.eos]
-        if len(ends) < self._turn_end:
-            raise ValueError("the chat template ends fewer turns with EOS once messages follow an assistant turn, "
-                             "so the turn has no token-exact continuation with this template")
-        return full[ends[self._turn_end - 1] + 1:]
+        return self._delta(texts, role)
 
 
 def tool_runner(multi_turn: MultiTurnConfig, *, timeout_s: float = 60.0, max_workers: int = 8,
@@ -176,7 +192,7 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
                         interaction_kwargs: Optional[list[dict]] = None) -> tuple[list[MultiTurnSample], dict]:
     """Generate every prompt's conversation: model turn, tool calls (hermes), tool turn, ... until
     the model calls no tool, a turn limit is reached or ``max_response_length`` tokens after the
-    prompt are used (a tool or user turn that would reach it is not appended, as in verl). ``seeds``:
+    prompt are used (a tool or user turn that would reach it is not appended: verl does so for a tool turn). ``seeds``:
     each sample's seed; its turn k samples with :func:`~megappo.seeds.turn_seed` of it (the
     engine's ``generate`` gets ``seeds=``). With ``interactions`` (and each prompt's chat
     ``messages`` and ``interaction_kwargs``), a model turn that calls no tool is answered by the
@@ -225,7 +241,8 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
         replies = interactions.respond(asked, [samples[i].messages for i in asked]) if asked else []
         for i, (done, text, score) in zip(asked, replies):
             s = samples[i]
-            s.turn_scores.append(score)
+            if score is not None:   # verl records a turn's score only when the interaction gives one
+                s.turn_scores.append(score)
             if done:   # the conversation is over: its last message is not the model's to answer
                 s.stop = "interaction_done"
                 continue
@@ -241,7 +258,8 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
 
 def _append_turn(s: MultiTurnSample, ids: list[int], max_response_length: int) -> bool:
     """Append a tool or user turn (out of the loss) unless it would reach the response budget
-    (then the sample stops at "length", as verl's loop); True when it was appended."""
+    (then the sample stops at "length", as verl's loop for a tool turn; verl appends a user turn
+    and cuts the sequence at the end); True when it was appended."""
     if len(s.response_ids) + len(ids) >= max_response_length:
         s.stop = "length"
         return False

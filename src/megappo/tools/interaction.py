@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from .base import _resolve
-from .registry import ToolConfigError, import_class
+from .registry import ToolConfigError, class_entries, import_class
 
 
 class InteractionError(RuntimeError):
@@ -110,27 +109,8 @@ class InteractionSpec:
 
 def read_interaction_config(path: str | Path) -> list[InteractionSpec]:
     """Parse and check an interaction config YAML without importing any class."""
-    path = Path(path).expanduser()
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ToolConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        raise ToolConfigError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("interaction"), list) or not doc["interaction"]:
-        raise ToolConfigError(f"{path}: expected a mapping with a non-empty 'interaction' list (verl's layout), "
-                              f"got {doc!r:.80}")
     specs: list[InteractionSpec] = []
-    for i, entry in enumerate(doc["interaction"]):
-        where = f"{path}: interaction[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolConfigError(f"{where}: expected a mapping with name, class_name, config; got {entry!r}")
-        cls = entry.get("class_name")
-        if not isinstance(cls, str) or "." not in cls:
-            raise ToolConfigError(f"{where}.class_name: expected a dotted path pkg.module.Class, got {cls!r}")
-        config = entry.get("config") or {}
-        if not isinstance(config, dict):
-            raise ToolConfigError(f"{where}.config: expected a mapping, got {config!r}")
+    for where, entry, cls, config in class_entries(path, "interaction", "name, class_name, config", nonempty=True):
         name = entry.get("name")
         if name is None:   # verl's default: the class name, less a trailing "Interaction", lower case
             simple = cls.rsplit(".", 1)[-1]
@@ -206,7 +186,7 @@ class InteractionRunner:
         if not (isinstance(out, (tuple, list)) and len(out) >= 3 and isinstance(out[1], str)):
             raise InteractionError(f"interaction {name!r}: generate_response must return (should_terminate, text, "
                                    f"turn_score, metrics), got {out!r:.120} for sample {sample}")
-        score = 0.0 if out[2] is None else float(out[2])
+        score = None if out[2] is None else float(out[2])
         return bool(out[0]), out[1], score, time.perf_counter() - t0
 
     def respond(self, samples: list, messages: list[list[dict]]) -> list[tuple[bool, str, float]]:

@@ -58,8 +58,10 @@ def _check_schema(schema: Any, where: str) -> dict:
     return schema
 
 
-def read_tool_config(path: str | Path) -> list[ToolSpec]:
-    """Parse and check a tool config YAML without importing any tool class."""
+def class_entries(path: str | Path, section: str, fields: str, nonempty: bool = False) -> list[tuple[str, dict, str, dict]]:
+    """The entries of a YAML file's ``section`` list that each name a class (verl's tool and
+    interaction files): ``(where, entry, class_name, config)``, checked without importing
+    anything; errors name the file, the entry and the field (``fields``: what an entry holds)."""
     path = Path(path).expanduser()
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -67,19 +69,28 @@ def read_tool_config(path: str | Path) -> list[ToolSpec]:
         raise ToolConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         raise ToolConfigError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("tools"), list):
-        raise ToolConfigError(f"{path}: expected a mapping with a 'tools' list, got {type(doc).__name__}")
-    specs, names = [], {}
-    for i, entry in enumerate(doc["tools"]):
-        where = f"{path}: tools[{i}]"
+    if not isinstance(doc, dict) or not isinstance(doc.get(section), list) or (nonempty and not doc[section]):
+        raise ToolConfigError(f"{path}: expected a mapping with a{' non-empty' if nonempty else ''} {section!r} list, "
+                              f"got {type(doc).__name__}")
+    out = []
+    for i, entry in enumerate(doc[section]):
+        where = f"{path}: {section}[{i}]"
         if not isinstance(entry, dict):
-            raise ToolConfigError(f"{where}: expected a mapping with class_name, config, tool_schema; got {entry!r}")
+            raise ToolConfigError(f"{where}: expected a mapping with {fields}; got {entry!r}")
         cls = entry.get("class_name")
         if not isinstance(cls, str) or "." not in cls:
             raise ToolConfigError(f"{where}.class_name: expected a dotted path pkg.module.Class, got {cls!r}")
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise ToolConfigError(f"{where}.config: expected a mapping, got {config!r}")
+        out.append((where, entry, cls, config))
+    return out
+
+
+def read_tool_config(path: str | Path) -> list[ToolSpec]:
+    """Parse and check a tool config YAML without importing any tool class."""
+    specs, names = [], {}
+    for i, (where, entry, cls, config) in enumerate(class_entries(path, "tools", "class_name, config, tool_schema")):
         if config.get("type", "native") != "native":
             raise ToolConfigError(f"{where}.config.type: only native tools are supported (verl's MCP tools are "
                                   f"not), got {config['type']!r}")

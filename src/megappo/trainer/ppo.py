@@ -23,7 +23,7 @@ from .replay import CriticReplay
 from .scoring import Scorer
 from .setup import set_library_log_level
 from .turns import MultiTurnRollout, check_interaction_rows, interaction_runner_of, tool_runner_of
-from .validation import validate
+from .validation import dump_rollout, log_records, validate, wants_records
 
 __all__ = ["PPOTrainer"]
 
@@ -181,17 +181,8 @@ class PPOTrainer:
             scores = self.scorer(batch, items)
             batch.token_level_scores, batch.reward_components = scores.token_level, scores.components
             reward_metrics, details = scores.metrics, scores.details
-        self.dump_rollout(step, batch, items, details)
+        dump_rollout(self.cfg, self.rank, self.tokenizer, step, batch, items, details, self.timer)
         return batch, items, reward_metrics
-
-    def dump_rollout(self, step: int, batch: RolloutBatch, items: list, details: Optional[list]) -> None:
-        """trainer.rollout_data_dir: the step's samples, as verl writes them (rank 0)."""
-        if self.cfg.trainer.rollout_data_dir and self.rank == 0:
-            from megappo.metrics import dump_generations, generation_records
-
-            with self.timer("dump_rollout_generations"):
-                dump_generations(os.path.expanduser(self.cfg.trainer.rollout_data_dir), step, generation_records(
-                    self.tokenizer, batch, items, batch.token_level_scores.sum(-1), details))
 
     def dp_rows(self, batch: RolloutBatch) -> list[int]:
         """This DP rank's rows of a global batch (balanced per actor mini-batch)."""
@@ -214,20 +205,10 @@ class PPOTrainer:
 
     # -- validation, checkpoints, the loop ---------------------------------------------------
     def validate(self) -> dict:
-        n, tr = self.cfg.trainer.log_val_generations, self.cfg.trainer
-        keep = (n > 0 and self.logger.active) or (tr.validation_data_dir and self.rank == 0)
-        records = [] if keep else None   # decoded where they are logged or written
+        records = [] if wants_records(self.cfg, self.logger, self.rank) else None   # decoded where they go
         out = validate(self.cfg, self.val_data, self.generation, self.scorer, self.engine, self.timer, self.step_no,
                        records)
-        if records and n > 0 and self.logger.active:
-            from megappo.metrics import select_generations
-
-            samples = [(r["input"], r["output"], r["score"]) for r in records]
-            self.logger.log_generations(self.step_no, select_generations(samples, n))
-        if records and tr.validation_data_dir and self.rank == 0:
-            from megappo.metrics import dump_generations
-
-            dump_generations(os.path.expanduser(tr.validation_data_dir), self.step_no, records)
+        log_records(self.cfg, self.logger, self.rank, self.step_no, records)
         return out
 
     def algo_state(self) -> dict:

@@ -128,8 +128,9 @@ class MultiTurnRollout:
         self.runner = replica_tools(runner, rank, world, rtp)
         self.interactions = replica_tools(interactions, rank, world, rtp)
         self.loop = loop_settings(cfg.actor_rollout_ref.rollout.multi_turn)
+        roles = (("tool",) if getattr(runner, "schemas", None) else ()) + (("user",) if path else ())
         self.tool_turn = ToolTurnTokens(tokenizer, engine.eos_token_ids, cfg.data.apply_chat_template_kwargs,
-                                        roles=("tool", "user") if path else ("tool",))
+                                        roles=roles or ("tool",))
         # the parser reads the model's text as the template wrote it (<tool_call> may be a special
         # token); an interaction reads it as verl decodes it for its messages, without special tokens
         self.decode = lambda ids, skip_special_tokens=False: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -6,15 +6,15 @@ from typing import Optional
 import torch
 
 from megappo import seeds
+from megappo.metrics import generation_records
 
-__all__ = ["validate"]
+__all__ = ["validate", "wants_records", "log_records", "dump_rollout"]
 
 
 def validate(cfg, val_data, generation, scorer, engine, timer, step: int, samples: Optional[list] = None) -> dict:
     """``val-core/<data_source>/reward/mean@<n>`` (and ``best@<n>`` when n > 1). ``samples``
     (a list) receives every sample's record (megappo.metrics.generation_records: input and
     output decoded without special tokens, gts, score, and what the reward function returned)."""
-    from megappo.metrics import generation_records
     from megappo.rollout import SamplingConfig
 
     if val_data is None:
@@ -46,3 +46,37 @@ def validate(cfg, val_data, generation, scorer, engine, timer, step: int, sample
             out[f"val-core/{src}/reward/best@{n}"] = s.max(-1).values.mean().item()
     return out
 
+
+
+def wants_records(cfg, logger, rank: int) -> bool:
+    """Whether a validation's samples are decoded: trainer.log_val_generations for an active
+    logger, or trainer.validation_data_dir on rank 0."""
+    tr = cfg.trainer
+    return bool((tr.log_val_generations > 0 and logger.active) or (tr.validation_data_dir and rank == 0))
+
+
+def log_records(cfg, logger, rank: int, step: int, records: Optional[list]) -> None:
+    """A validation's samples to where they go: log_val_generations of them to the logger (chosen
+    as verl chooses), every one to validation_data_dir/<step>.jsonl (rank 0)."""
+    import os
+
+    from megappo.metrics import dump_generations, select_generations
+
+    n, tr = cfg.trainer.log_val_generations, cfg.trainer
+    if records and n > 0 and logger.active:
+        logger.log_generations(step, select_generations([(r["input"], r["output"], r["score"]) for r in records], n))
+    if records and tr.validation_data_dir and rank == 0:
+        dump_generations(os.path.expanduser(tr.validation_data_dir), step, records)
+
+
+def dump_rollout(cfg, rank: int, tokenizer, step: int, batch, items: list, details: Optional[list], timer) -> None:
+    """trainer.rollout_data_dir: the step's samples, as verl writes them (rank 0); ``details``:
+    what the reward function returned for each."""
+    import os
+
+    from megappo.metrics import dump_generations
+
+    if cfg.trainer.rollout_data_dir and rank == 0:
+        with timer("dump_rollout_generations"):
+            dump_generations(os.path.expanduser(cfg.trainer.rollout_data_dir), step, generation_records(
+                tokenizer, batch, items, batch.token_level_scores.sum(-1), details))
