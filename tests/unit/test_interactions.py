@@ -291,3 +291,27 @@ def test_the_gsm8k_teacher_on_preprocessed_rows(tok, tmp_path):
         f.write_text("interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
                      "    config: {}\n")
         assert isinstance(load_interactions(f)["gsm8k"], Gsm8kInteraction)
+
+
+def test_config_values_read_environment_variables_as_omegaconf(tmp_path, monkeypatch):
+    """${oc.env:NAME} and ${oc.env:NAME,default} in an interaction's or a tool's config (verl
+    resolves its files with OmegaConf: API keys, endpoints) are resolved when the class is built;
+    an unset variable without a default is named."""
+    from megappo.tools import tools_from_config
+
+    monkeypatch.setenv("MEGAPPO_TEST_KEY", "sk-123")
+    monkeypatch.delenv("MEGAPPO_TEST_UNSET", raising=False)
+    f = tmp_path / "i.yaml"
+    f.write_text("interaction:\n  - name: guess\n    class_name: test_interactions.Guess\n    config:\n"
+                 "      key: ${oc.env:MEGAPPO_TEST_KEY}\n      url: http://${oc.env:MEGAPPO_TEST_UNSET,localhost}:80\n"
+                 "      opt: ${oc.env:MEGAPPO_TEST_UNSET,null}\n      nested: [{k: '${oc.env:MEGAPPO_TEST_KEY}'}]\n")
+    assert load_interactions(f)["guess"].config == {"key": "sk-123", "url": "http://localhost:80", "opt": None,
+                                                    "nested": [{"k": "sk-123"}], "name": "guess"}
+    assert read_interaction_config(f)[0].config["key"] == "${oc.env:MEGAPPO_TEST_KEY}"   # read: not yet resolved
+    f.write_text("interaction:\n  - class_name: test_interactions.Guess\n    config: {key: '${oc.env:MEGAPPO_TEST_UNSET}'}\n")
+    with pytest.raises(ToolConfigError, match=r"interaction\[0\].config.key: environment variable MEGAPPO_TEST_UNSET is "
+                                              r"not set"):
+        load_interactions(f)
+    t = tmp_path / "t.yaml"
+    t.write_text("tools:\n  - class_name: megappo.tools.Calculator\n    config: {type: native, key: '${oc.env:MEGAPPO_TEST_KEY}'}\n")
+    assert tools_from_config(t)[0].config["key"] == "sk-123"

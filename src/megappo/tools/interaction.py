@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 
 from .base import _resolve
-from .registry import ToolConfigError, class_entries, import_class
+from .registry import ToolConfigError, class_entries, import_class, resolve_env
 
 
 class InteractionError(RuntimeError):
@@ -134,8 +134,9 @@ def load_interactions(path: str | Path) -> dict[str, Any]:
         if name in VERL_INTERACTIONS and importlib.util.find_spec("verl") is None:
             name = VERL_INTERACTIONS[name]
         cls = import_class(name, spec.where)
+        config = resolve_env(spec.config, spec.where + ".config")
         try:
-            out[spec.name] = cls(config={**spec.config, "name": spec.name})
+            out[spec.name] = cls(config={**config, "name": spec.name})
         except Exception as e:
             raise ToolConfigError(f"{spec.where}: {spec.class_name}(config=...) failed: {type(e).__name__}: {e}") from e
     return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +106,35 @@ def read_tool_config(path: str | Path) -> list[ToolSpec]:
     return specs
 
 
+_ENV = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:,([^}]*))?\}")
+
+
+def resolve_env(value: Any, where: str) -> Any:
+    """OmegaConf's ``${oc.env:NAME}`` / ``${oc.env:NAME,default}`` in a tool's or interaction's
+    config (verl resolves these files with OmegaConf: API keys and endpoints are passed so),
+    resolved where the class is built; an unset variable without a default names it."""
+    if isinstance(value, dict):
+        return {k: resolve_env(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_env(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${oc.env:" not in value:
+        return value
+
+    def one(m) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ToolConfigError(f"{where}: environment variable {name} is not set (and ${{oc.env:{name}}} "
+                                  "gives no default)")
+        return default.strip().strip("'\"")
+
+    whole = _ENV.fullmatch(value.strip())
+    if whole and whole.group(2) is not None and whole.group(2).strip() == "null" and whole.group(1) not in os.environ:
+        return None
+    return _ENV.sub(one, value)
+
+
 def import_class(dotted: str, where: str) -> type:
     module_name, _, attr = dotted.rpartition(".")
     try:
@@ -120,8 +151,9 @@ def tools_from_config(path: str | Path) -> list[Tool]:
     tools = []
     for spec in read_tool_config(path):
         cls = import_class(spec.class_name, spec.where)
+        config = resolve_env(spec.config, spec.where + ".config")
         try:
-            tool = cls(config=spec.config, tool_schema=spec.tool_schema)
+            tool = cls(config=config, tool_schema=spec.tool_schema)
         except Exception as e:
             raise ToolConfigError(f"{spec.where}: {spec.class_name}(config=..., tool_schema=...) failed: "
                                   f"{type(e).__name__}: {e}") from e
