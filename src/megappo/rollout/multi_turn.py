@@ -203,7 +203,7 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
     if interactions is not None:
         for i, s in enumerate(samples):
             s.messages = [dict(m) for m in messages[i]]
-            interactions.start(i, interaction_kwargs[i])
+        interactions.start_all(list(range(len(samples))), list(interaction_kwargs))
     active = list(range(len(prompts)))
     while active:
         turn = ([samples[i].prompt_ids + samples[i].response_ids for i in active],
@@ -249,10 +249,10 @@ def multi_turn_generate(engine: TurnEngine, prompts: list[list[int]], *, runner:
             s.messages.append({"role": "user", "content": text})
             if _append_turn(s, tool_turn([text], role="user"), max_response_length):
                 active.append(i)
-    for i, s in enumerate(samples):
-        s.tool_rewards = runner.finish(i)
-        if interactions is not None:
-            interactions.finish(i)
+    for s, rewards in zip(samples, runner.finish_all(list(range(len(samples))))):
+        s.tool_rewards = rewards
+    if interactions is not None:
+        interactions.finish_all(list(range(len(samples))))
     return samples, _metrics(samples, runner, interactions)
 
 

@@ -179,6 +179,16 @@ class InteractionRunner:
                          f"{sample}:{name}", **kwargs)
         self._open[sample] = (name, iid if isinstance(iid, str) else f"{sample}:{name}", dict(kwargs))
 
+    def start_all(self, samples: list, kwargs: list[dict]) -> None:
+        """:meth:`start` of each sample (one call for a whole rollout)."""
+        for sample, kw in zip(samples, kwargs):
+            self.start(sample, kw)
+
+    def finish_all(self, samples: list) -> None:
+        """:meth:`finish` of each sample (one call for a whole rollout)."""
+        for sample in samples:
+            self.finish(sample)
+
     def _respond_one(self, sample: Any, messages: list[dict]) -> tuple[bool, str, float, float]:
         name, iid, kwargs = self._open[sample]
         t0 = time.perf_counter()

@@ -171,6 +171,10 @@ class ToolRunner:
                 self._counts[f"tools/errors/{TIMEOUT if status == 'timeout' else TOOL_EXCEPTION}"] += 1
         return rewards
 
+    def finish_all(self, samples: list) -> list[dict[str, float]]:
+        """:meth:`finish` of each sample, in order (one call for a whole rollout)."""
+        return [self.finish(sample) for sample in samples]
+
     def pop_metrics(self) -> dict[str, float]:
         """Counts since the last call (calls, errors by kind, truncated, abandoned) and the tools'
         wall seconds (sum and slowest call)."""

@@ -79,15 +79,15 @@ class ReplicaTools:
     def run_turn(self, samples: list, calls: list, tools_kwargs=None) -> list:
         return self._shared(lambda: self.runner.run_turn(samples, calls, tools_kwargs))
 
-    def finish(self, sample):
-        return self._shared(lambda: self.runner.finish(sample))
-
     def pop_metrics(self) -> dict:
         return self._shared(self.runner.pop_metrics)
 
+    def finish_all(self, samples: list):   # one broadcast for the whole rollout
+        return self._shared(lambda: self.runner.finish_all(samples))
+
     # an InteractionRunner's: its instances live on the leader
-    def start(self, sample, kwargs: dict) -> None:
-        return self._shared(lambda: self.runner.start(sample, kwargs))
+    def start_all(self, samples: list, kwargs: list) -> None:
+        return self._shared(lambda: self.runner.start_all(samples, kwargs))
 
     def respond(self, samples: list, messages: list) -> list:
         return self._shared(lambda: self.runner.respond(samples, messages))
