@@ -86,15 +86,17 @@ def test_the_user_answers_until_the_model_is_right(tok):
     assert [s.stop for s in samples] == ["interaction_done"] * 3
     assert [(s.assistant_turns, s.user_turns, s.num_turns) for s in samples] == [(2, 1, 4), (3, 2, 6), (1, 0, 2)]
     # what the interaction read: the chat so far, the model's text without special tokens, the tool's answer
-    seen = [e[2] for e in Guess.log if e[0] == "respond" and e[1] == "1:guess"]
+    seen = [e[2] for e in Guess.log if e[0] == "respond" and e[1].startswith("1:guess:")]
     as_text = call("3+4").replace("<tool_call>", "").replace("</tool_call>", "")   # special tokens dropped, as verl
     assert seen[0] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": as_text},
                        {"role": "tool", "content": "7"}, {"role": "assistant", "content": "It is 8."}]
     assert seen[1][-2:] == [{"role": "user", "content": "No. Try again (think)."},
                             {"role": "assistant", "content": "It is 7."}]
-    assert [e for e in Guess.log if e[0] == "start"] == [("start", f"{i}:guess", a, {"name": "guess"})
-                                                          for i, a in enumerate("779")]
-    assert sorted(e[1] for e in Guess.log if e[0] == "finalize") == ["0:guess", "1:guess", "2:guess"]
+    starts = [e for e in Guess.log if e[0] == "start"]
+    assert [(e[1].rsplit(":", 1)[0], e[2], e[3]) for e in starts] == [(f"{i}:guess", a, {"name": "guess"})
+                                                                       for i, a in enumerate("779")]
+    assert len({e[1] for e in starts}) == 3          # each sample's own instance id (unique, as verl's uuids)
+    assert sorted(e[1] for e in Guess.log if e[0] == "finalize") == sorted(e[1] for e in starts)
     assert metrics["interaction/turns"] == 5 and metrics["interaction/terminated"] == 3
     assert metrics["multi_turn/stop/interaction_done"] == 3
 

@@ -174,10 +174,10 @@ class InteractionRunner:
 
     def start(self, sample: Any, kwargs: dict) -> None:
         name = kwargs["name"]
-        self._open[sample] = (name, f"{sample}:{name}", dict(kwargs))
-        iid = self._call(sample, "start_interaction", self.interactions[name].start_interaction,
-                         f"{sample}:{name}", **kwargs)
-        self._open[sample] = (name, iid if isinstance(iid, str) else f"{sample}:{name}", dict(kwargs))
+        iid = f"{sample}:{name}:{uuid.uuid4().hex}"   # unique across samples, replicas and steps, as verl's uuids
+        self._open[sample] = (name, iid, dict(kwargs))
+        got = self._call(sample, "start_interaction", self.interactions[name].start_interaction, iid, **kwargs)
+        self._open[sample] = (name, got if isinstance(got, str) else iid, dict(kwargs))
 
     def start_all(self, samples: list, kwargs: list[dict]) -> None:
         """:meth:`start` of each sample (one call for a whole rollout)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,7 +102,9 @@ class ToolRunner:
         insts = self._instances.setdefault(sample, {})
         if name not in insts:
             create_kwargs = (tools_kwargs.get(name) or {}).get("create_kwargs") or {}
-            iid = _resolve_created(self.tools[name].create(f"{sample}:{name}", **create_kwargs))
+            # unique across samples, replicas and steps (verl's are uuids): a tool backed by a service
+            # keeps each trajectory's state under its id
+            iid = _resolve_created(self.tools[name].create(f"{sample}:{name}:{uuid.uuid4().hex}", **create_kwargs))
             insts[name] = iid
         return insts[name]
 
