@@ -16,8 +16,10 @@ from megappo.config import (ConfigError, PPOConfig, all_keys, load_config, sourc
 
 
 VERL_CONFIG_NAMES = {"ppo_megatron_trainer", "ppo_trainer"}
-# verl's example configs (``--config-name`` under the example's ``--config-path``): verl's trainer
-# defaults with the settings of megappo/presets/verl/<name>.yaml, applied before --config files.
+# verl's example configs (``--config-name`` under the example's ``--config-path``): the file itself
+# where it is there (its Hydra header read: defaults = verl's trainer config), else, for the
+# examples megappo knows, verl's trainer defaults with megappo/presets/verl/<name>.yaml; applied
+# before --config files.
 VERL_EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets", "verl")
 VERL_EXAMPLE_CONFIGS = {"gsm8k_multiturn_megatron_grpo"}
 
@@ -50,10 +52,15 @@ def build_config(args: argparse.Namespace) -> tuple[PPOConfig, list[str]]:
     warnings: list[str] = []
     name = None if args.config_name is None else args.config_name.removesuffix(".yaml")
     files = list(args.config or [])
-    if name in VERL_EXAMPLE_CONFIGS:
+    own = (os.path.join(os.path.expanduser(args.config_path), f"{name}.yaml")
+           if name is not None and args.config_path and name not in VERL_CONFIG_NAMES else None)
+    if own is not None and os.path.isfile(own):   # the command's own verl config file, read as verl's
+        files.insert(0, own)
+    elif name in VERL_EXAMPLE_CONFIGS:
         files.insert(0, os.path.join(VERL_EXAMPLE_DIR, f"{name}.yaml"))
     elif name is not None and name not in VERL_CONFIG_NAMES:
-        errors.append(("--config-name", f"{args.config_name!r} is not one of verl's trainer configs "
+        where = f"no {own} and " if own is not None else ""
+        errors.append(("--config-name", f"{where}{args.config_name!r} is not one of verl's trainer configs "
                                         f"{sorted(VERL_CONFIG_NAMES)} nor of its example configs megappo knows "
                                         f"{sorted(VERL_EXAMPLE_CONFIGS)}; pass your own YAML with --config"))
     cfg = load_config(args.overrides, files, raise_errors=False, errors=errors, sources=sources,

@@ -371,3 +371,39 @@ def test_dapo_reward_kwargs_are_the_overlong_penalty():
     scores = scorer(batch, items)
     assert scores.per_sample["seq_reward"].tolist() == [1.0, 1.0 - 2.0]
     assert scores.token_level[1, 7] == -1.0 and scores.metrics["reward/overlong_fraction"] == 0.5
+
+
+def test_a_verl_commands_own_config_file_is_read_with_its_hydra_header(tmp_path):
+    """--config-path/--config-name naming a file that is there: the file is read as verl reads it
+    (its defaults: verl's trainer config, whose defaults megappo's are; its hydra search path
+    dropped), under the command line's overrides; a defaults entry megappo cannot follow is named."""
+    conf = tmp_path / "config"
+    conf.mkdir()
+    (conf / "interaction_config").mkdir()
+    (conf / "interaction_config" / "gsm8k.yaml").write_text(
+        "interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
+        "    config: {}\n")
+    # verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo_w_interaction.yaml (b178a3c)
+    (conf / "gsm8k_multiturn_grpo_w_interaction.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n\ndefaults:\n  - ppo_trainer\n  - _self_\n\n"
+        "data:\n  max_prompt_length: 1024\n  max_response_length: 1024\n  train_batch_size: 256\n"
+        "  return_raw_chat: True\n\nactor_rollout_ref:\n  hybrid_engine: True\n  rollout:\n    name: sglang\n"
+        "    multi_turn:\n      enable: True\n      max_user_turns: 5\n")
+    rc, out, err = dry_run([f"--config-path={conf}", "--config-name=gsm8k_multiturn_grpo_w_interaction",
+                            "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "data.train_batch_size=64",
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo",
+                            "actor_rollout_ref.rollout.n=4",
+                            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={conf}/interaction_config/gsm8k.yaml"])
+    assert rc == 0, err
+    cfg = yaml.safe_load(out[:out.index("# layout")])
+    mt = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert mt["enable"] is True and mt["max_user_turns"] == 5 and mt["interaction_config_path"].endswith("gsm8k.yaml")
+    assert cfg["data"]["max_response_length"] == 1024 and cfg["data"]["train_batch_size"] == 64   # the command wins
+    (conf / "odd.yaml").write_text("defaults:\n  - ppo_trainer\n  - override data: mine\n  - _self_\n")
+    rc, out, err = dry_run([f"--config-path={conf}", "--config-name=odd"])
+    assert rc != 0 and "defaults entry {'override data': 'mine'} is not supported" in err
+    rc, out, err = dry_run([f"--config-path={conf}", "--config-name=missing"])
+    assert rc != 0 and f"no {conf}/missing.yaml and 'missing' is not one of verl's trainer configs" in err

@@ -460,7 +460,29 @@ def _read_yaml(path: Path, errors: list) -> Optional[tuple[dict, dict[str, int]]
     if not isinstance(data, dict):
         errors.append(("--config", f"'{path}' must hold a mapping of config keys, got {type(data).__name__}"))
         return None
+    if not _hydra_header_ok(data, path, errors):
+        return None
     return data, _yaml_key_lines(text)
+
+
+VERL_TRAINER_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def _hydra_header_ok(data: dict, path: Path, errors: list) -> bool:
+    """A verl config file's Hydra header: ``defaults`` naming verl's trainer config (whose
+    defaults megappo's are) and ``_self_``, and ``hydra`` (its search path), are read and dropped
+    from ``data``; any other defaults entry is an error naming it."""
+    data.pop("hydra", None)
+    defaults = data.pop("defaults", None)
+    if defaults is None:
+        return True
+    for entry in defaults if isinstance(defaults, list) else [defaults]:
+        if entry not in VERL_TRAINER_CONFIGS + ("_self_",):
+            errors.append(("--config", f"'{path}': defaults entry {entry!r} is not supported: megappo reads verl "
+                                       f"config files whose defaults are verl's trainer config "
+                                       f"({' or '.join(VERL_TRAINER_CONFIGS)}) and _self_"))
+            return False
+    return True
 
 
 def load_config(
