@@ -96,7 +96,10 @@ def test_create_kwargs_per_row_and_state_across_turns():
     out = r.run_turn(["a", "b", "c"], [[call("count", by=1)], [], []], kw)      # the instance lives on
     assert [[x.text for x in o] for o in out] == [["12"], [], []]
     assert r.finish("a") == {"count": 12.0} and r.finish("b") == {"count": 25.0} and r.finish("nobody") == {}
-    assert sorted(c.released) == ["a:count", "b:count"] and set(c.state) == {"c:count"}
+    # each sample's instance under its own id (unique across samples, replicas and steps, as verl's uuids)
+    assert sorted(i.rsplit(":", 1)[0] for i in c.released) == ["a:count", "b:count"]
+    assert [i.rsplit(":", 1)[0] for i in c.state] == ["c:count"]
+    assert len(set(c.released) | set(c.state)) == 3
 
 
 def test_samples_run_concurrently():
@@ -117,7 +120,7 @@ def test_calls_past_max_parallel_calls_are_answered_not_run():
     (out,) = r.run_turn(["a"], [[call("count", by=1), call("count", by=1), call("count", by=1)]])
     assert [x.text for x in out[:2]] == ["1", "2"] and out[2].error == TOO_MANY_CALLS
     assert out[2].text == "Error: at most 2 tool call(s) per turn; this one was not run"
-    assert c.state["a:count"] == 2
+    assert list(c.state.values()) == [2] and next(iter(c.state)).startswith("a:count:")
     assert r.pop_metrics()["tools/errors/too_many_calls"] == 1
 
 
@@ -194,7 +197,7 @@ def test_a_verl_style_async_tool_runs():
 
     r = ToolRunner({"echo": AsyncEcho()})
     (out,) = r.run_turn([7], [[call("echo", s="hi")]])
-    assert (out[0].text, out[0].reward) == ("7:echo hi", 0.5)
+    assert out[0].text.startswith("7:echo:") and out[0].text.endswith(" hi") and out[0].reward == 0.5
     assert r.finish(7) == {"echo": 1.0}
 
 
