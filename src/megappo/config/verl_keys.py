@@ -139,17 +139,15 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.skip_tokenizer_init", lambda v: None),   # megappo's engine takes token ids
     ("actor_rollout_ref.rollout.layer_name_map.*", lambda v: None),
     ("actor_rollout_ref.model.fused_kernel_options.*", lambda v: None),
-    ("*.profiler.*", _note("has no effect: megappo has no profiler hooks (run a rank under nsys or py-spy; "
-                                     "per-phase seconds are the timing/* metrics)")),
-    ("global_profiler.*", _note("has no effect: megappo has no profiler hooks (run a rank under nsys or py-spy; "
-                                          "per-phase seconds are the timing/* metrics)")),
+    *((k, _note("has no effect: megappo has no profiler hooks (run a rank under nsys or py-spy; per-phase seconds "
+                "are the timing/* metrics)")) for k in ("*.profiler.*", "global_profiler.*")),
     ("*.nccl_timeout", _note("has no effect: megappo's timeout for start-up and collectives is trainer.dist_timeout_s")),
     ("*.megatron.vanilla_mbridge", _note("has no effect: megappo converts HF weights itself")),
     ("*.megatron.use_remove_padding", _note("has no effect: megappo's sequence packing switch is "
                                                       "<role>.model.use_remove_padding")),
     ("*.use_shm", _note("has no effect: megappo reads model and data files where they are")),
-    ("data.dataloader_num_workers", _note("has no effect: megappo tokenizes every row once at start, in the trainer process")),
-    ("data.filter_overlong_prompts_workers", _note("has no effect: megappo tokenizes every row once at start, in the trainer process")),
+    *((k, _note("has no effect: megappo tokenizes every row once at start, in the trainer process"))
+      for k in ("data.dataloader_num_workers", "data.filter_overlong_prompts_workers")),
     ("data.validation_shuffle", _note("has no effect: validation runs its prompts in file order")),
     ("data.return_raw_input_ids", lambda v: None),
     ("data.return_full_prompt", lambda v: None),
@@ -158,8 +156,9 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.multi_stage_wake_up", _note("has no effect: megappo wakes vLLM's weights and KV cache as its memory plan says (docs/memory.md)")),
     ("actor_rollout_ref.rollout.load_format", _note("has no effect: megappo starts vLLM with dummy weights and syncs the actor's into it before the first rollout")),
     ("actor_rollout_ref.rollout.layered_summon", _note("has no effect: megappo syncs weights layer by layer in buckets (shard-direct where the layouts allow)")),
-    ("actor_rollout_ref.rollout.engine_kwargs.sglang.*", _note("has no effect: megappo rolls out with vLLM (its arguments: actor_rollout_ref.rollout.engine_kwargs.vllm)")),
-    ("actor_rollout_ref.rollout.engine_kwargs.trtllm.*", _note("has no effect: megappo rolls out with vLLM (its arguments: actor_rollout_ref.rollout.engine_kwargs.vllm)")),
+    *((f"actor_rollout_ref.rollout.engine_kwargs.{engine}.*", _note(
+        "has no effect: megappo rolls out with vLLM (its arguments: actor_rollout_ref.rollout.engine_kwargs.vllm)"))
+      for engine in ("sglang", "trtllm")),
     ("actor_rollout_ref.rollout.trace.*", _note("has no effect: megappo has no rollout tracing (trainer.rollout_data_dir writes every step's samples)")),
     ("actor_rollout_ref.rollout.prometheus.*", _note("has no effect: megappo does not serve vLLM's Prometheus metrics")),
     ("actor_rollout_ref.rollout.agent.num_workers", _note("has no effect: megappo runs no agent-loop workers (multi-turn rollouts run in the trainer's ranks)")),
