@@ -162,7 +162,8 @@ def _interaction_batch(cfg, trainer, run_dir):
     from megappo.tools import ToolRunner
     from megappo.trainer.turns import MultiTurnRollout, interaction_runner_of
 
-    path = Path(run_dir) / "interaction.yaml"
+    # one file per rank: a rank reading the file while another rewrites it reads it empty
+    path = Path(run_dir) / f"interaction_{trainer.rank}.yaml"
     path.write_text("interaction:\n  - name: coach\n    class_name: test_multi_turn_run.Coach\n")
     cfg = copy.deepcopy(cfg)
     cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path = str(path)
