@@ -242,6 +242,7 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
                                      lora=lora_spec_from_config(arr.model), lora_adapter_path=arr.model.lora_adapter_path)
     actor = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id,
                   **_optimizer(arr.actor.optim, total_steps, arr.actor.megatron.use_distributed_optimizer))
+    actor.desc = info.desc
     _set_offload(actor, arr.actor.megatron)
     actor.pack_sequences = packing(arr.model.use_remove_padding, chunks, "actor_rollout_ref.model.use_remove_padding")
     return info, actor
@@ -278,12 +279,13 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     from megappo.models import lora_spec_from_config
 
     c = cfg.critic
-    _, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
+    info, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
                                   trust_remote_code=c.model.trust_remote_code,
                                   checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron",
                                   lora=lora_spec_from_config(c.model))
     critic = Critic(chunks, tcfg, device=device, pad_token_id=pad_id, value_mode=c.value_mode,
                     **_optimizer(c.optim, total_steps, c.megatron.use_distributed_optimizer))
+    critic.desc = info.desc
     _set_offload(critic, c.megatron)
     critic.pack_sequences = packing(c.model.use_remove_padding, chunks, "critic.model.use_remove_padding")
     return critic

@@ -642,10 +642,16 @@ def verify_checkpoint(path: str, checksums: bool = True) -> None:
 
 
 def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None,
-                    per_rank_state: Optional[dict] = None, hf_sources: Optional[dict] = None) -> str:
+                    per_rank_state: Optional[dict] = None, hf_sources: Optional[dict] = None,
+                    hf_weights: Optional[dict] = None, resumable: bool = True) -> str:
     """Save every worker and the trainer state as ``global_step_<step>``; publish atomically.
     ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``;
-    ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer).
+    ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer);
+    ``hf_weights`` {worker name: writer(folder, write)} writes that worker's weights there too,
+    making it a HuggingFace model folder (:func:`megappo.convert.live_hf_writer`: collective, the
+    rank with ``write`` writes; it reads and rewrites the folder's config.json). Without
+    ``resumable`` only those HF folders are written (no worker state, no trainer state) and
+    ``latest`` is left alone: such a save is an export, never resumed from.
 
     Collective. When any rank fails (disk full, I/O error), every rank raises the same
     CheckpointError naming the rank and the cause; the partial save is removed and the previous
@@ -669,10 +675,13 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     _agree(err, what)
     try:
         for name, worker in workers.items():
-            save_worker(worker, os.path.join(tmp, name))
-            if _rank0() and _lora(worker):
-                _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
-        if per_rank_state is not None:
+            if resumable:
+                save_worker(worker, os.path.join(tmp, name))
+                if _rank0() and _lora(worker):
+                    _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
+            if name in (hf_weights or {}):
+                _save_hf_weights(hf_weights[name], (hf_sources or {})[name], os.path.join(tmp, name))
+        if per_rank_state is not None and resumable:
             rank = dist.get_rank() if dist.is_initialized() else 0
             os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
             torch.save(per_rank_state, _rank_file(tmp, rank))
@@ -684,13 +693,15 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
         if _rank0():
             try:
                 for name, src in (hf_sources or {}).items():
-                    copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"step": step, **trainer_state}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    if name not in (hf_weights or {}) and resumable:   # (an HF export has its files)
+                        copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
+                if resumable:
+                    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                        json.dump({"step": step, **trainer_state}, f)
+                        f.flush()
+                        os.fsync(f.fileno())
                 _write_manifest(tmp)
-                _publish(root, tmp, final, step)
+                _publish(root, tmp, final, step, point_latest=resumable)
             except Exception as e:  # noqa: BLE001
                 err = e
         _agree(err, what)
@@ -706,7 +717,22 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     return final
 
 
-def _publish(root: str, tmp: str, final: str, step: int) -> None:
+def _save_hf_weights(writer, src: str, folder: str) -> None:
+    """``<folder>/huggingface``: the source model's files, then ``writer(out, write)`` (collective;
+    rank 0 writes) adds the weights."""
+    out = os.path.join(folder, "huggingface")
+    err = None
+    if _rank0():
+        try:
+            copy_hf_files(src, out)
+        except Exception as e:  # noqa: BLE001 - raised after the walk: the other ranks' gathers must pair up
+            err = e
+    writer(out, _rank0() and err is None)
+    if err is not None:
+        raise err
+
+
+def _publish(root: str, tmp: str, final: str, step: int, point_latest: bool = True) -> None:
     """Rename the finished save into place, then point ``latest`` at it (also by rename). An
     older folder of the same step is moved aside first and deleted last, so at every instant
     ``latest`` names a complete checkpoint."""
@@ -716,6 +742,11 @@ def _publish(root: str, tmp: str, final: str, step: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    if not point_latest:
+        _fsync_dir(root)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return
     latest_tmp = os.path.join(root, ".latest.tmp")
     with open(latest_tmp, "w") as f:
         f.write(str(step))
@@ -734,6 +765,11 @@ def load_checkpoint(path: str, workers: dict, with_rank_state: bool = False):
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if not os.path.isfile(meta):
+        hf = os.path.join(path, "actor", "huggingface")
+        if os.path.isfile(os.path.join(hf, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(hf)):
+            raise CheckpointError(f"{path}: holds HuggingFace weights only (checkpoint.save_contents without model, "
+                                  f"optimizer and extra): nothing to resume; start a new run from them with "
+                                  f"actor_rollout_ref.model.path={hf}")
         raise CheckpointError(f"{path}: no trainer_state.json (not a finished megappo checkpoint)")
     err = None
     try:

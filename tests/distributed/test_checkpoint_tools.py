@@ -70,6 +70,7 @@ def _train_and_save(rank, world, dirs, runs, imported, out_dir):
     """Per layout: one PPO update (weights leave the HF source), save like the trainer, record the
     actor's log-probs (and at TP2PP2 the critic's values) on fixed sequences."""
     from megappo.checkpoint import load_worker, save_checkpoint
+    from megappo.convert import live_hf_writer, write_live_hf
     from megappo.models import build_model, describe, load_hf_config, transformer_config
     from megappo.workers import Actor, Critic
     from test_workers import _global_batch
@@ -96,6 +97,42 @@ def _train_and_save(rank, world, dirs, runs, imported, out_dir):
         _update(actor, _global_batch())
         save_checkpoint(os.path.join(runs, name), 1, workers, {},
                         hf_sources={k: path for k in workers})
+        # the same weights written as HF folders by the save itself (save_contents with hf_model),
+        # beside a resumable checkpoint and as an export alone
+        descs = {k: describe(load_hf_config(path), tp=tp, value_head=k == "critic").desc for k in workers}
+        writers = {k: live_hf_writer(w.chunks, descs[k]) for k, w in workers.items()}
+        save_checkpoint(os.path.join(runs, name + "_hf"), 1, workers, {}, hf_sources={k: path for k in workers},
+                        hf_weights=writers)
+        save_checkpoint(os.path.join(runs, name + "_export"), 1, workers, {}, hf_sources={k: path for k in workers},
+                        hf_weights=writers, resumable=False)
+        if name == "tp2pp1":   # the disk fills during rank 0's HF writes: every rank raises, nothing is published
+            from megappo.checkpoint import CheckpointError
+            from megappo.convert import hf_export
+
+            real = hf_export.ShardWriter.write
+
+            def full(self, n, t):
+                if "layers.1." in n:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real(self, n, t)
+
+            hf_export.ShardWriter.write = full
+            try:
+                save_checkpoint(os.path.join(runs, name + "_hf"), 2, workers, {}, hf_sources={k: path for k in workers},
+                                hf_weights=writers)
+                said = "saved"
+            except CheckpointError as e:
+                said = str(e)
+            finally:
+                hf_export.ShardWriter.write = real
+            with open(os.path.join(out_dir, f"disk_full_{torch.distributed.get_rank()}.txt"), "w") as f:
+                f.write(said)
+        if name == "tp2pp2":   # files cut at 1 MB: the index names each tensor's file
+            sharded = os.path.join(out_dir, "live_sharded")
+            if torch.distributed.get_rank() == 0:
+                os.makedirs(sharded)
+            write_live_hf(actor.chunks, descs["actor"], sharded, json.load(open(os.path.join(path, "config.json"))),
+                          write=torch.distributed.get_rank() == 0, max_shard_size="1MB")
         record["lp"] = token_log_probs(actor.chunks, info, [_ids()])
         if _writer_rank():
             torch.save(record, os.path.join(out_dir, f"{name}.pt"))
@@ -221,6 +258,84 @@ def test_critic_export(ckpts, tmp_path):
     r = _run_cli("verify.py", "--ckpt", str(ckpts["runs"] / "tp2pp2" / "global_step_1"), "--hf", str(out), "--critic",
                  check=0)
     assert "max |value difference|" in r.stdout and "OK" in r.stdout
+
+
+@pytest.mark.parametrize("name", [x[0] for x in LAYOUTS])
+def test_checkpoint_writes_hf_model(ckpts, tmp_path, name):
+    """save_contents with hf_model: the save's own huggingface/ folder holds the tensors the
+    converter exports from the checkpoint (bit-exact), and transformers computes the actor's
+    log-probs from it; alone (an export) it writes that folder only, which nothing resumes from."""
+    from megappo.checkpoint import CheckpointError, latest_step, load_checkpoint
+
+    conv = tmp_path / "conv"
+    assert _to_hf("--ckpt", ckpts["runs"] / name / "global_step_1" / "actor", "--out", conv) == 0
+    want = safetensors_tensors(conv)
+    for run in (name + "_hf", name + "_export"):
+        hf = ckpts["runs"] / run / "global_step_1" / "actor" / "huggingface"
+        got = safetensors_tensors(hf)
+        assert set(got) == set(want), run
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (run, k)
+        assert json.loads((hf / "config.json").read_text()) == json.loads((conv / "config.json").read_text())
+        assert (hf / "tokenizer_config.json").is_file() and (hf / "generation_config.json").is_file()
+        lp = _hf_log_probs(_load(hf), _ids())
+        assert (lp - ckpts["rec"][name]["lp"][0]).abs().max().item() < 1e-5, run
+    full = ckpts["runs"] / (name + "_hf")
+    assert latest_step(str(full)) == 1 and (full / "global_step_1" / "actor" / "metadata.json").is_file()
+    export = ckpts["runs"] / (name + "_export")
+    assert latest_step(str(export)) is None
+    assert sorted(os.listdir(export / "global_step_1")) == sorted(["actor", "manifest.json"] + (["critic"] if name == "tp2pp2" else []))
+    assert os.listdir(export / "global_step_1" / "actor") == ["huggingface"]
+    with pytest.raises(CheckpointError, match="holds HuggingFace weights only .* nothing to resume; start a new run "
+                                              "from them with actor_rollout_ref.model.path="):
+        load_checkpoint(str(export / "global_step_1"), {})
+
+
+def test_checkpoint_hf_model_disk_full(ckpts):
+    """A write that fails on rank 0 mid-walk: the other ranks' gathers still pair up (no hang),
+    every rank raises the same error, the partial save is gone and 'latest' still names step 1."""
+    from megappo.checkpoint import latest_step
+
+    said = [(ckpts["root"] / f"disk_full_{r}.txt").read_text() for r in range(4)]
+    assert len(set(said)) == 1, said
+    assert said[0].startswith("checkpoint ") and "global_step_2 was not saved (the previous checkpoint global_step_1 " \
+        "and 'latest' are untouched): rank 0: disk full" in said[0], said[0]
+    run = ckpts["runs"] / "tp2pp1_hf"
+    assert latest_step(str(run)) == 1 and sorted(os.listdir(run)) == ["global_step_1", "latest"]
+
+
+def test_live_hf_sharded(ckpts, tmp_path):
+    assert _to_hf("--ckpt", ckpts["runs"] / "tp2pp2" / "global_step_1", "--out", tmp_path / "one") == 0
+    one, live = safetensors_tensors(tmp_path / "one"), ckpts["root"] / "live_sharded"
+    files = sorted(f for f in os.listdir(live) if f.endswith(".safetensors"))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all(os.path.getsize(live / f) < 1_000_000 + 4096 for f in files)
+    index = json.loads((live / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(one) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in one.values())
+    got = safetensors_tensors(live)
+    assert all(torch.equal(got[k], one[k]) for k in one)
+    lp = _hf_log_probs(_load(live), _ids())
+    assert (lp - ckpts["rec"]["tp2pp2"]["lp"][0]).abs().max().item() < 1e-5
+
+
+def test_checkpoint_writes_hf_critic(ckpts, tmp_path):
+    """A critic's hf_model: *ForTokenClassification, the converter's tensors and config."""
+    conv = tmp_path / "critic"
+    assert _to_hf("--ckpt", ckpts["runs"] / "tp2pp2" / "global_step_1" / "critic", "--out", conv, "--critic") == 0
+    want = safetensors_tensors(conv)
+    for run in ("tp2pp2_hf", "tp2pp2_export"):
+        hf = ckpts["runs"] / run / "global_step_1" / "critic" / "huggingface"
+        got = safetensors_tensors(hf)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), run
+        assert json.loads((hf / "config.json").read_text()) == json.loads((conv / "config.json").read_text())
+        with torch.no_grad():
+            values = _load(hf, "AutoModelForTokenClassification")(_ids()).logits[..., 0]
+        assert (values - ckpts["rec"]["tp2pp2"]["values"][0]).abs().max().item() < 1e-5
+    # the converter still reads a checkpoint whose huggingface/ is a token classifier now
+    again = tmp_path / "again"
+    assert _to_hf("--ckpt", ckpts["runs"] / "tp2pp2_hf" / "global_step_1" / "critic", "--out", again, "--critic") == 0
+    assert all(torch.equal(t, want[k]) for k, t in safetensors_tensors(again).items())
 
 
 def test_verify_cli(ckpts, tmp_path):

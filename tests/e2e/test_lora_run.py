@@ -74,8 +74,13 @@ def straight(tmp_path_factory):
     # the critic's correction) moves the adapters from the first step (echo's groups all score 0)
     setup = make_tiny_setup(str(root / "tiny"), task="words")
     run = root / "straight"
-    spawn(_run, 4, setup, str(run), 4, ["trainer.save_freq=2"])
+    spawn(_run, 4, setup, str(run), 4, ["trainer.save_freq=2"] + HF_MODEL)
     return setup, run
+
+
+# every save also writes both roles as HuggingFace folders (verl's hf_model), merged
+HF_MODEL = [f"{role}.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+            for role in ("actor_rollout_ref.actor", "critic")]
 
 
 @pytest.mark.e2e
@@ -164,6 +169,34 @@ def test_lora_checkpoint_converts_to_a_peft_adapter_and_merged_weights(straight,
     assert (peft_logits - base_logits).abs().max() > 1e-3      # the trained adapters are in both
     # a full-weight checkpoint has no adapters to merge: named, exit code 2
     assert convert_to_hf_main(["--ckpt", str(run), "--critic", "--out", str(tmp_path / "x"), "--merge"]) == 2
+
+
+@pytest.mark.e2e
+def test_lora_checkpoint_hf_model_is_the_merged_export(straight, tmp_path):
+    """save_contents' hf_model in a LoRA run: the save's huggingface/ folder holds what the
+    converter's --merge makes from the same checkpoint (the trainer's gathered, merged weights vs
+    the base's safetensors with the saved adapters merged); the critic's loads as a token
+    classifier whose adapted weights left the base."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    setup, run = straight
+    merged = _converted(run, tmp_path / "merged", "--merge")
+    hf = run / "global_step_4" / "actor" / "huggingface"
+    want, got = load_file(str(merged / "model.safetensors")), load_file(str(hf / "model.safetensors"))
+    assert set(got) == set(want)
+    diff = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert diff < 1e-6, diff
+    base = load_file(str(Path(setup["model"]) / "model.safetensors"))
+    assert (got["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-4
+    critic_hf = run / "global_step_4" / "critic" / "huggingface"
+    assert json.loads((critic_hf / "config.json").read_text())["architectures"][0].endswith("ForTokenClassification")
+    model, info = AutoModelForTokenClassification.from_pretrained(str(critic_hf), dtype=torch.float32,
+                                                                  output_loading_info=True)
+    assert not any(info.values()), info
+    critic = load_file(str(critic_hf / "model.safetensors"))
+    assert (critic["model.layers.0.mlp.down_proj.weight"] - base["model.layers.0.mlp.down_proj.weight"]).abs().max() > 1e-4
 
 
 @pytest.mark.e2e

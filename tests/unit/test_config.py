@@ -617,6 +617,14 @@ RULES = [
      R + "multi_turn.interaction_config_path", "expected a mapping with a non-empty 'interaction' list"),
     (["reward_model.reward_manager=batch"], {}, "reward_model.reward_manager",
      "batch calls custom_reward_function.path's function with lists"),
+    ([A + "checkpoint.save_contents=[model,extra]"], {}, A + "checkpoint.save_contents",
+     "must hold model, optimizer and extra (a resumable checkpoint; add hf_model to write a HuggingFace folder too) "
+     "or be [hf_model] (HuggingFace exports only); got ['model', 'extra']"),
+    ([A + "checkpoint.load_contents=[model]"], {}, A + "checkpoint.load_contents",
+     "must hold model, optimizer and extra: a resume restores all three; got ['model'] (to start from a checkpoint's "
+     "weights with a fresh optimizer, set actor_rollout_ref.actor.megatron.use_dist_checkpointing=True"),
+    ([A + "checkpoint.save_contents=[hf_model]"], {}, "critic.checkpoint.save_contents",   # (tiny_cpu: gae, a critic)
+     "must be resumable (model, optimizer, extra) exactly when the actor's is"),
     (["trainer.val_only=true", "data.val_files=[]"], {}, "data.val_files",
      "must name validation files when trainer.val_only=true"),
     (["data.train_max_samples=0"], {}, "data.train_max_samples", "must be -1 (every row) or a positive number of rows, got 0"),

@@ -23,7 +23,7 @@ from megappo.config.schema import (ActorConfig, ActorRolloutRefConfig, Algorithm
                                    MegatronConfig, ModelConfig, MultiTurnConfig, OptimConfig, PPOConfig, Ref, RefConfig,
                                    RefMegatronConfig, RewardModelConfig, RewardModelModelConfig, RolloutConfig,
                                    TrainerConfig, ValKwargsConfig, all_keys, get)
-from megappo.config.validation import VLLM_ARGS_OWNED, critic_enabled, validate
+from megappo.config.validation import VLLM_ARGS_OWNED, critic_enabled, resumable_checkpoints, validate
 
 __all__ = [
     "ConfigError",
@@ -39,6 +39,7 @@ __all__ = [
     "all_keys",
     "config_reference_markdown",
     "critic_enabled",
+    "resumable_checkpoints",
     "VLLM_ARGS_OWNED",
     "PRESETS_DIR",
     "source_of",

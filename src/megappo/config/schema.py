@@ -165,6 +165,30 @@ class PolicyLossConfig:
     ppo_kl_coef: float = _f(0.1, "kl_cov: weight of the |logp - old_logp| penalty on its tokens.")
 
 
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+_SAVE_HELP = ("What each checkpoint holds (verl's names): model, optimizer and extra together make the resumable "
+              "checkpoint (megatron dist_checkpointing of the weights, the optimizer and LR schedule, the trainer's "
+              "state and RNG streams); hf_model also writes the weights as a HuggingFace model folder in "
+              "global_step_N/<role>/huggingface (safetensors in the source config's dtype, loadable by transformers "
+              "and vLLM as it is; a LoRA model merged, a critic as *ForTokenClassification). hf_model alone writes "
+              "only that folder at each save: an export, which 'latest' never names and no run resumes from.")
+_LOAD_HELP = ("What a resume loads: model, optimizer and extra (hf_model is ignored, as in verl). verl's default "
+              "follows save_contents. To start from a checkpoint's weights with a fresh optimizer, use "
+              "<role>.megatron.use_dist_checkpointing and dist_checkpointing_path instead.")
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[CheckpointContent] = _f(["model", "optimizer", "extra"], _SAVE_HELP)
+    load_contents: list[CheckpointContent] = _f(Ref("actor_rollout_ref.actor.checkpoint.save_contents"), _LOAD_HELP)
+
+
+@dataclass
+class CriticCheckpointConfig:
+    save_contents: list[CheckpointContent] = _f(["model", "optimizer", "extra"], "As actor_rollout_ref.actor.checkpoint.save_contents, for the critic (written when the run has one); its resumable contents must match the actor's.")
+    load_contents: list[CheckpointContent] = _f(Ref("critic.checkpoint.save_contents"), "As actor_rollout_ref.actor.checkpoint.load_contents, for the critic.")
+
+
 @dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = _f(256, "Prompts per PPO mini-batch (x rollout.n samples), global over data-parallel ranks.")
@@ -187,6 +211,7 @@ class ActorConfig:
     kl_loss_coef: float = _f(0.001, "Weight of the KL loss.")
     kl_loss_type: str = _f("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, full; a '+' suffix gives the straight-through variant (k1+, k3+, low_var_kl+).")
     optim: OptimConfig = _sub(OptimConfig, "Actor optimizer.")
+    checkpoint: CheckpointConfig = _sub(CheckpointConfig, "What the actor's checkpoints hold.")
     megatron: MegatronConfig = _sub(MegatronConfig, "Actor parallel layout; the reference and critic share it.")
 
 
@@ -289,6 +314,7 @@ class CriticConfig:
     data_loader_seed: int = _f(Ref("actor_rollout_ref.actor.data_loader_seed"), "Seed of the critic's shuffled order.")
     cliprange_value: float = _f(0.5, "Value-clipping range of the clipped value loss.")
     loss_agg_mode: LossAggMode = _f(Ref("actor_rollout_ref.actor.loss_agg_mode"), "Aggregation of the value loss.")
+    checkpoint: CriticCheckpointConfig = _sub(CriticCheckpointConfig, "What the critic's checkpoints hold.")
     value_mode: Literal["state", "increments"] = _f("state", "How the value head's outputs give V(s_t), the value before response token t: state (the output at the token before t, as verl) or increments (the output at the last prompt token plus the running sum of the outputs at the response tokens before t: the head emits each token's change of value, so a token's credit is a feature of that token rather than a count kept over the prefix). Measured (docs/benchmarks.md): on a supervised probe (benchmarks/critic_probe.py, pick_first) increments learnt per-token credit faster on one seed of two and slightly on the other; in PPO it measured level with state, from random init and from a warm start.")
     megatron: MegatronConfig = field(default_factory=lambda: _inherit_megatron(), metadata={"help": "Critic layout; must equal the actor's (one megatron parallel state per process).", "section": True})
 

@@ -76,6 +76,7 @@ def validate(
     _optimizers(cfg, need)
     _trainer(cfg, need)
     _start_checkpoints(cfg, need, W)
+    _checkpoint_contents(cfg, need)
     _lora(cfg, need)
     if check_paths:
         _paths(cfg, need, installed)
@@ -500,6 +501,38 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
          f"tokens is implausibly long; expected fewer than {10**7}")
 
 
+RESUMABLE = {"model", "optimizer", "extra"}
+
+
+def resumable_checkpoints(cfg: PPOConfig) -> bool:
+    """Whether this run's saves are resumable checkpoints (else HF exports only)."""
+    return RESUMABLE <= set(cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+
+def _checkpoint_contents(cfg: PPOConfig, need: Need) -> None:
+    """save_contents: the resumable three together (with hf_model or not), or hf_model alone;
+    a critic's like the actor's (one step saves both); load_contents: the three, or what was saved."""
+    roles = [A.rstrip(".")] + (["critic"] if critic_enabled(cfg) else [])
+    kinds = {}
+    for role in roles:
+        ck = get(cfg, role + ".checkpoint")
+        save, load = set(ck.save_contents), set(ck.load_contents)
+        kinds[role] = RESUMABLE <= save
+        need(kinds[role] or save == {"hf_model"}, role + ".checkpoint.save_contents",
+             f"must hold model, optimizer and extra (a resumable checkpoint; add hf_model to write a HuggingFace folder "
+             f"too) or be [hf_model] (HuggingFace exports only); got {ck.save_contents} (set trainer.save_freq=-1 to "
+             f"save nothing until the end)")
+        need(RESUMABLE <= load or load == save, role + ".checkpoint.load_contents",
+             f"must hold model, optimizer and extra: a resume restores all three; got {ck.load_contents} (to start "
+             f"from a checkpoint's weights with a fresh optimizer, set {role}.megatron.use_dist_checkpointing=True and "
+             f"{role}.megatron.dist_checkpointing_path=<global_step_N>/{role.split('.')[-1]})")
+    if len(set(kinds.values())) > 1:
+        need(False, "critic.checkpoint.save_contents",
+             f"must be resumable (model, optimizer, extra) exactly when the actor's is: one save holds both; the "
+             f"actor's is {cfg.actor_rollout_ref.actor.checkpoint.save_contents}, the critic's "
+             f"{cfg.critic.checkpoint.save_contents} (for HuggingFace exports of both, set both to [hf_model])")
+
+
 def _start_checkpoint_roles(cfg: PPOConfig) -> list[str]:
     """The megatron sections (keys) of the roles this run builds that may start from a
     dist_checkpointing folder: the actor, the reference when a KL term needs it, the critic."""
@@ -679,5 +712,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _lora, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _checkpoint_contents, _lora, _paths, _check_model_path,
                   _check_experts)

@@ -127,6 +127,7 @@ RULES: list[tuple[str, Rule]] = [
     # megappo computes sum pi^2 in the old-log-prob pass whenever the estimator needs it (forward only)
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", lambda v: None),
     ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", lambda v: None),
+    ("*.checkpoint.async_save", _when(_truthy, "error", "is not supported: megappo saves synchronously (every rank writes its shards of the dist_checkpointing save at once; the step resumes when the save is published)")),
     ("trainer.default_hdfs_dir", _when(lambda v: v is not None, "error", "must be null: HDFS copies are not supported; checkpoints go to trainer.default_local_dir")),
     ("ray_kwargs.*", _when(lambda v: v not in (None, {}, []), "warn", "is read by verl's Ray driver only; megappo.train ignores it (start Ray jobs with python -m megappo.launch.ray)")),
     # verl's plumbing: what megappo does anyway, or has no part that the key could change

@@ -7,6 +7,7 @@ from .names import ParamMap, full_shape, hf_shapes, param_maps, to_hf, to_megatr
 from .parallel import to_global_name, to_local_name, tp_gather, tp_rows, tp_shard, tp_shard_shape
 from .hf_io import (SafetensorsCheckpoint, WeightLoadError, gather_full, iter_hf_tensors, load_hf_weights, local_params,
                     plan_shared_gather)
+from .live_export import live_hf_writer, write_live_hf
 from .engine_layout import (ShardSyncPlan, SyncTensor, iter_sync_tensors, kernel_name, kernel_shard, layer_buckets,
                             plan_shard_sync)
 
@@ -14,4 +15,5 @@ __all__ = ["fuse_qkv", "split_qkv", "fuse_gate_up", "split_gate_up", "pad_vocab"
            "ParamMap", "param_maps", "full_shape", "hf_shapes", "to_megatron", "to_hf", "tp_shard", "tp_gather",
            "tp_rows", "tp_shard_shape", "to_local_name", "to_global_name", "SafetensorsCheckpoint", "WeightLoadError",
            "gather_full", "iter_hf_tensors", "load_hf_weights", "local_params", "plan_shared_gather", "ShardSyncPlan",
-           "SyncTensor", "iter_sync_tensors", "kernel_name", "kernel_shard", "layer_buckets", "plan_shard_sync"]
+           "SyncTensor", "iter_sync_tensors", "kernel_name", "kernel_shard", "layer_buckets", "plan_shard_sync",
+           "live_hf_writer", "write_live_hf"]

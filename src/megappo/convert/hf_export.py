@@ -65,12 +65,13 @@ class Shard:
     tensors: list  # [(name, shape)], in the order they are produced
 
 
-def plan_shards(desc: ModelDesc, te: bool, dtype: torch.dtype, max_bytes: int) -> list[Shard]:
+def plan_shards(desc: ModelDesc, te: bool, dtype: torch.dtype, max_bytes: int, maps=None) -> list[Shard]:
     """HF tensors in production order, cut into files of at most ``max_bytes`` (a tensor larger
-    than that gets a file of its own). One file is ``model.safetensors``."""
+    than that gets a file of its own). One file is ``model.safetensors``. ``maps``: the ParamMaps
+    in the order their tensors come (default: the checkpoint reader's, layer by layer)."""
     item = torch.empty((), dtype=dtype).element_size()
     shards, cur, size = [], [], 0
-    for group in layer_groups(desc, te):
+    for group in ([maps] if maps is not None else layer_groups(desc, te)):
         for pm in group:
             for name, shape in hf_shapes(pm, desc).items():
                 n = item * _numel(shape)

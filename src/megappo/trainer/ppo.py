@@ -72,6 +72,7 @@ class PPOTrainer:
                          if d.val_files else None)
         check_interaction_rows(cfg, self.train_data, self.val_data)
         self.last_step = self.total_steps()   # fit() sets the run's last step
+        run_state.check_run_dir(cfg)
         if self.split:
             from .remote import RemoteRollout
 

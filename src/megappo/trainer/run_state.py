@@ -10,7 +10,7 @@ from typing import Optional
 
 from megappo import rng, watchdog
 
-__all__ = ["checkpointed_workers", "save", "resume", "Resumed"]
+__all__ = ["checkpointed_workers", "save", "resume", "Resumed", "check_run_dir"]
 
 
 @dataclasses.dataclass
@@ -37,6 +37,8 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
     ``algo_state``: name -> object with state_dict() (the KL controller, group_cv's running sums);
     ``replay``: this rank's :class:`~megappo.trainer.replay.CriticReplay` (saved per rank)."""
     from megappo.checkpoint import save_checkpoint
+    from megappo.config import resumable_checkpoints
+    from megappo.convert import live_hf_writer
 
     tr = cfg.trainer
     keep = tr.max_actor_ckpt_to_keep or tr.max_critic_ckpt_to_keep  # equal when both set (validate)
@@ -45,10 +47,47 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
         hf["critic"] = os.path.expanduser(cfg.critic.model.path)
     state = {"data": sampler.state_dict(), "world_size": world, "layout": dataclasses.asdict(layout),
              **{name: obj.state_dict() for name, obj in algo_state.items()}}
+    contents = {"actor": cfg.actor_rollout_ref.actor.checkpoint.save_contents,
+                "critic": cfg.critic.checkpoint.save_contents}
+    exports = {name: live_hf_writer(w.chunks, w.desc) for name, w in workers.items() if "hf_model" in contents[name]}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
                            per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight),
                                            **({"critic_replay": replay.state_dict()} if replay is not None else {})},
-                           hf_sources=hf)
+                           hf_sources=hf, hf_weights=exports, resumable=resumable_checkpoints(cfg))
+
+
+def check_run_dir(cfg) -> None:
+    """Before anything is built: a resume that checkpoint.load_contents would leave without the
+    state it needs is refused, and so is a run whose saves are HF exports only (never resumed
+    from) that would start over in a folder holding another run's exports."""
+    from megappo.checkpoint import CheckpointError, latest_step
+    from megappo.config import critic_enabled, resumable_checkpoints
+
+    tr = cfg.trainer
+    root = os.path.expanduser(tr.default_local_dir)
+    step = latest_step(root) if tr.resume_mode == "auto" and os.path.isdir(root) else None
+    target = (os.path.join(root, f"global_step_{step}") if step is not None else None if tr.resume_mode in ("auto", "disable")
+              else os.path.expanduser(tr.resume_from_path if tr.resume_mode == "resume_path" else tr.resume_mode))
+    loads = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.checkpoint.load_contents}
+    if critic_enabled(cfg):
+        loads["critic"] = cfg.critic.checkpoint.load_contents
+    for role, load in loads.items():
+        if target is not None and not {"model", "optimizer", "extra"} <= set(load):
+            raise CheckpointError(f"{target}: trainer.resume_mode={tr.resume_mode} resumes from it, but "
+                                  f"{role}.checkpoint.load_contents={load} would load neither its weights "
+                                  f"nor its optimizer: set it to [model, optimizer, extra], or trainer.resume_mode=disable")
+    if tr.resume_mode != "auto" or step is not None or resumable_checkpoints(cfg) or not os.path.isdir(root):
+        return
+    exports = sorted((d for d in os.listdir(root) if d.startswith("global_step_")
+                      and not os.path.isfile(os.path.join(root, d, "trainer_state.json"))),
+                     key=lambda d: int(d.rsplit("_", 1)[-1]) if d.rsplit("_", 1)[-1].isdigit() else -1)
+    if exports:
+        raise CheckpointError(
+            f"{root} holds HuggingFace exports of an earlier run ({exports[0]} .. {exports[-1]}) and this run's saves "
+            f"are exports too (actor_rollout_ref.actor.checkpoint.save_contents="
+            f"{cfg.actor_rollout_ref.actor.checkpoint.save_contents}): nothing can be resumed, and starting over would "
+            f"overwrite them. Choose another trainer.default_local_dir, move them, or set trainer.resume_mode=disable "
+            f"to start over here")
 
 
 def _plain_inflight(inflight) -> Optional[dict]:

@@ -58,6 +58,7 @@ class MegatronWorker:
 
         self.config = config
         self.pad_token_id = pad_token_id
+        self.desc = None   # the model's ModelDesc, set by megappo.builders (a checkpoint's HF export names tensors by it)
         self.device = module_device(chunks)
         if device is not None and torch.device(device) != self.device:
             raise ValueError(f"the model's parameters are on {self.device}, not on the worker's device {device}")
