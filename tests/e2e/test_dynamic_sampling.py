@@ -63,7 +63,9 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
     reward = tmp_path / "acc_reward.py"
     reward.write_text(ACC_REWARD)
     custom = [f"custom_reward_function.path={reward}", "custom_reward_function.name=acc_reward"]
-    on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8"]
+    on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=8",
+          # verl's prime manager: each rank's share scored in a worker process of its own
+          "reward_model.reward_manager=prime", "reward_model.prime_workers=1"]
     spawn(_worker, 2, p["model"], p["train"], str(tmp_path / "on"), custom + on)
     spawn(_worker, 1, p["model"], p["train"], str(tmp_path / "off"), custom)
 
@@ -74,6 +76,7 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path):
     assert sorted(map(int, on_groups)) == [0, 1, 2, 3] and all(len(v) == 4 for v in on_groups.values())
     assert all(any(s >= 0.5 for s in v) and any(s < 0.5 for s in v) for v in on_groups.values()), on_groups
     # it took several rounds of 8 prompts (the metric says how many; the kept fraction matches)
+    assert row["reward/failed"] == 0 and row["reward/timed_out"] == 0   # (the prime manager scored them)
     rounds = row["train/num_gen_batches"]
     assert rounds >= 2, row
     assert row["train/kept_prompt_fraction"] == pytest.approx(4 / (8 * rounds))

@@ -177,7 +177,8 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("actor_rollout_ref.actor.strategy=fsdp", "error", "Megatron-only"),
     ("critic.model.fsdp_config.param_offload=True", "error", "critic.megatron.param_offload"),
     ("reward_model.reward_manager=dapo", None, None),
-    ("reward_model.reward_manager=prime", "error", "expected one of 'naive', 'dapo', 'batch'"),
+    ("reward_model.reward_manager=prime", None, None),
+    ("reward_model.reward_manager=sandbox", "error", "expected one of 'naive', 'dapo', 'batch', 'prime'"),
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", None, None),   # reward_model.overlong_buffer.len
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.log=True", None, None),
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.size=4", "error", "takes enable, len, penalty_factor and log"),

@@ -482,6 +482,13 @@ def _trainer(cfg: PPOConfig, need: Need) -> None:
         need(bool(rm.model.path), "reward_model.model.path", "must be set when reward_model.enable=True")
         need(rm.use_dynamic_bsz or rm.micro_batch_size_per_gpu is not None, "reward_model.micro_batch_size_per_gpu",
              "must be set unless reward_model.use_dynamic_bsz")
+    if cfg.reward_model.reward_manager == "prime":
+        rm = cfg.reward_model
+        need(not rm.enable, "reward_model.reward_manager", "prime runs the rule or custom reward function in worker "
+             "processes; it does not apply to a reward model (reward_model.enable=true)")
+        need(rm.prime_timeout_s > 0, "reward_model.prime_timeout_s", f"must be > 0 seconds, got {rm.prime_timeout_s}")
+        need(rm.prime_workers is None or rm.prime_workers >= 1, "reward_model.prime_workers",
+             f"must be null or a positive number of processes, got {rm.prime_workers}")
     if cfg.reward_model.reward_manager == "batch":
         need(bool(cfg.custom_reward_function.path) and not cfg.reward_model.enable, "reward_model.reward_manager",
              "batch calls custom_reward_function.path's function with lists: set custom_reward_function.path "

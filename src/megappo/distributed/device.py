@@ -11,7 +11,7 @@ import os
 
 import torch
 
-__all__ = ["process_device", "module_device", "host_dp_group"]
+__all__ = ["process_device", "module_device", "host_dp_group", "host_world_group"]
 
 
 def process_device(kind: str) -> torch.device:
@@ -52,3 +52,14 @@ def host_dp_group():
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_group_gloo()
+
+
+def host_world_group():
+    """A gloo group over every rank of the default group (this role's ranks under the split
+    placement), for Python objects gathered from all of them: the default group itself where it is
+    gloo, else a new one. Collective: every rank calls it at the same point."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from . import gsm8k, hendrycks_math, synthetic
 
 __all__ = ["RewardFunctionError", "register_reward", "get_reward_fn", "list_rewards", "load_custom_reward",
-           "score_batch"]
+           "score_batch", "call_rewards", "finish_scores", "resolve_reward"]
 
 
 class RewardFunctionError(RuntimeError):
@@ -142,27 +142,45 @@ def score_batch(data_sources, solutions, ground_truths, extra_infos=None, custom
     with the lists (verl's batch reward manager) and must return one score per sample.
     ``details``: a list that receives, per sample, the dict a reward function returned (e.g. with
     DAPO's ``acc``), or None for a plain number."""
+    results, wheres = call_rewards(data_sources, solutions, ground_truths, extra_infos, custom)
+    return finish_scores(results, wheres, data_sources, details)
+
+
+def call_rewards(data_sources, solutions, ground_truths, extra_infos=None, custom: Optional[Callable] = None,
+                 index: Optional[list] = None) -> tuple[list, list]:
+    """(what the reward function returned, where the function came from) per sample, unchecked
+    (:func:`finish_scores` checks); ``index``: the samples' numbers in the batch, for messages."""
+    extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
+    index = list(index) if index is not None else list(range(len(solutions)))
+    if custom is not None and getattr(custom, "megappo_batched", False):
+        return _score_batched(custom, data_sources, solutions, ground_truths, extra_infos)
+    results, wheres = [], []
+    for i, ds, sol, gt, extra in zip(index, data_sources, solutions, ground_truths, extra_infos):
+        fn, where, args = resolve_reward(ds, sol, gt, extra, custom, i)
+        try:
+            results.append(fn(*args))
+        except Exception as e:
+            raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+        wheres.append(where)
+    return results, wheres
+
+
+def resolve_reward(ds, sol, gt, extra, custom: Optional[Callable], i: int) -> tuple[Callable, str, tuple]:
+    """(function, where it came from, its arguments) for one sample: ``custom`` (verl's argument
+    order), or the built-in rule for its data_source."""
+    if custom is not None:
+        return custom, _origin(custom), (ds, sol, gt, extra)
+    try:
+        fn = get_reward_fn(ds)
+    except KeyError as e:
+        raise RewardFunctionError(f"sample {i}: {e.args[0]}") from None
+    return fn, f"built-in reward for {ds!r}", (sol, gt, extra)
+
+
+def finish_scores(results: list, wheres: list, data_sources, details: Optional[list] = None) -> list[float]:
+    """Each result as a finite float (a dict gives its 'score'); ``details`` receives the dicts."""
     import math
 
-    extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
-    if custom is not None and getattr(custom, "megappo_batched", False):
-        results, wheres = _score_batched(custom, data_sources, solutions, ground_truths, extra_infos)
-    else:
-        results, wheres = [], []
-        for i, (ds, sol, gt, extra) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
-            if custom is not None:
-                fn, where, args = custom, _origin(custom), (ds, sol, gt, extra)
-            else:
-                try:
-                    fn = get_reward_fn(ds)
-                except KeyError as e:
-                    raise RewardFunctionError(f"sample {i}: {e.args[0]}") from None
-                where, args = f"built-in reward for {ds!r}", (sol, gt, extra)
-            try:
-                results.append(fn(*args))
-            except Exception as e:
-                raise RewardFunctionError(f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}") from e
-            wheres.append(where)
     out = []
     for i, (ds, where, r) in enumerate(zip(data_sources, wheres, results)):
         if details is not None:

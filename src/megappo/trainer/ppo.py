@@ -258,6 +258,7 @@ class PPOTrainer:
             history.append(metrics)
         if self.split:
             self.engine.stop()
+        self.scorer.close()
         self.logger.close()
         watchdog.stop()   # the others may still be tearing down: this rank's silence is no fault now
         return history

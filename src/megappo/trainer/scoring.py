@@ -1,6 +1,7 @@
 """The reward step: every sample of the global batch scored by the rule or custom reward function
-(on every rank) or by the reward model (each DP rank its rows, assembled on every rank), then
-shaped (DAPO's overlong penalty)."""
+(spread over the ranks, assembled on every rank; verl's prime manager: in worker processes with a
+time limit) or by the reward model (each DP rank its rows, assembled on every rank), then shaped
+(DAPO's overlong penalty)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ class Scores:
     token_level: torch.Tensor     # (B, T) each response's reward on its last token, after shaping
     per_sample: dict              # name -> (B,): score, seq_reward, seq_final_reward (and acc): what filters read
     components: Optional[dict]    # name -> (B,) the reward function's components (algorithm.gdpo_reward_keys)
-    metrics: dict                 # the shaping's metrics
+    metrics: dict                 # the shaping's metrics (and prime's failed / timed-out counts)
     details: Optional[list] = None  # per sample, what the reward function returned (a dict, or None)
 
 
@@ -31,20 +32,40 @@ class Scorer:
 
     def __init__(self, cfg, tokenizer, custom_reward, reward_model, reward_batching, rows: Callable, dp_group,
                  check_finite: Callable, timer):
+        from megappo.distributed import host_world_group
+        from megappo.rewards import RewardPool, default_workers
+
         self.cfg, self.tokenizer, self.custom_reward, self.reward_model = cfg, tokenizer, custom_reward, reward_model
         self.reward_batching, self.rows, self.dp_group = reward_batching, rows, dp_group
         self.check_finite, self.timer = check_finite, timer
+        self.group = host_world_group()   # the rule rewards are spread over every rank of it
+        rm, crf = cfg.reward_model, cfg.custom_reward_function
+        self.pool = (RewardPool(rm.prime_workers or default_workers(), rm.prime_timeout_s,
+                                (crf.path, crf.name, crf.reward_kwargs) if crf.path else None)
+                     if rm.reward_manager == "prime" and reward_model is None else None)
 
-    def rule_scores(self, batch: RolloutBatch, items, details: Optional[list] = None) -> torch.Tensor:
+    def close(self) -> None:
+        """Stop the reward workers (prime)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def rule_scores(self, batch: RolloutBatch, items, details: Optional[list] = None,
+                    metrics: Optional[dict] = None) -> torch.Tensor:
         """(B, T) the rule/custom function's scores, each on its response's last token.
-        ``details`` receives what the reward function returned per sample."""
-        from megappo.rewards import score_batch
+        ``details`` receives what the reward function returned per sample, ``metrics`` the
+        prime manager's counts of samples that failed or timed out."""
+        from megappo.rewards import spread_scores
 
         lengths = batch.response_lengths   # tool turns included: the reward reads the whole conversation
-        texts = [self.tokenizer.decode(batch.responses[i, :int(lengths[i])].tolist(),
-                                       skip_special_tokens=True) for i in range(len(batch))]
-        scores = score_batch([it.data_source for it in items], texts, [it.ground_truth for it in items],
-                             [it.extra_info for it in items], custom=self.custom_reward, details=details)
+
+        def decode(i: int) -> str:
+            return self.tokenizer.decode(batch.responses[i, :int(lengths[i])].tolist(), skip_special_tokens=True)
+
+        scores, counts = spread_scores([it.data_source for it in items], decode, [it.ground_truth for it in items],
+                                       [it.extra_info for it in items], custom=self.custom_reward, group=self.group,
+                                       pool=self.pool, details=details)
+        if metrics is not None:
+            metrics.update(counts)
         tls = torch.zeros_like(batch.response_mask)
         last = (lengths - 1).clamp(min=0)
         tls[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=tls.dtype)
@@ -55,7 +76,7 @@ class Scorer:
         # the reward function may wait long on work elsewhere: the watchdog allows it the slow limit
         with watchdog.phase("reward", watchdog.USER), self.timer("reward"):
             if self.reward_model is None:
-                tls = self.rule_scores(batch, items, details)
+                tls = self.rule_scores(batch, items, details, metrics)
             else:
                 rows = self.rows(batch)
                 local = self.reward_model.compute_scores(batch.select(rows), **self.reward_batching.kwargs())
@@ -63,9 +84,10 @@ class Scorer:
         per_sample = {"score": tls.sum(-1)}
         ob = self.cfg.reward_model.overlong_buffer
         if ob.enable:
-            tls, metrics = algo.overlong_penalty(tls, batch.valid_mask,
+            tls, shaping = algo.overlong_penalty(tls, batch.valid_mask,
                                                  max_response_length=ob.max_resp_len or self.cfg.data.max_response_length,
                                                  buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+            metrics.update(shaping)
         self.check_finite("reward", scores=tls)
         per_sample["seq_reward"] = per_sample["seq_final_reward"] = tls.sum(-1)
         if self.cfg.algorithm.filter_groups.metric == "acc":
