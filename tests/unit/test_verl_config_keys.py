@@ -78,6 +78,9 @@ def test_the_defaults_table_is_verls_file():
     ("data.dataloader_num_workers=4", "warned", "tokenizes every row once at start"),
     ("actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3", "warned", "rolls out with vLLM"),
     ("actor_rollout_ref.rollout.load_format=safetensors", "warned", "dummy weights"),
+    ("reward_model.num_workers=8", "warned", "scores each sample once, the batch spread over the training ranks"),
+    ("reward_model.launch_reward_fn_async=true", "warned", "scores the batch right after generation"),
+    ("actor_rollout_ref.actor.checkpoint.async_save=true", "refused", "megappo saves synchronously"),
     # a feature megappo lacks: refused, saying so and naming verl's default
     ("actor_rollout_ref.model.mtp.enable=true", "refused", "megappo has no setting for it (verl's default, False, is accepted)"),
     ("algorithm.use_pf_ppo=true", "refused", "megappo has no setting for it (verl's default, False, is accepted)"),
@@ -91,6 +94,8 @@ def test_the_defaults_table_is_verls_file():
     ("actor_rollout_ref.rollout.max_model_len=8192", "mapped", "sets actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len"),
     # verl keys megappo now has
     ("trainer.val_only=true", "set", "a megappo key"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]", "set", "a megappo key"),
+    ("reward_model.reward_manager=prime", "set", "a megappo key"),
     ("data.train_max_samples=100", "set", "a megappo key"),
     ("actor_rollout_ref.model.custom_chat_template='{{ messages }}'", "set", "a megappo key"),
 ])

@@ -202,6 +202,12 @@ RULES: list[tuple[str, Rule]] = [
     ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _when(lambda v: v is not None, "error", "is not supported: samples per prompt are actor_rollout_ref.rollout.n")),
     ("actor_rollout_ref.rollout.multi_turn.completion_callback", _when(lambda v: v is not None, "error", "is not supported: completion callbacks are not implemented")),
     ("actor_rollout_ref.rollout.multi_turn.*", _always("error", "is not supported: megappo's multi-turn settings are enable, max_assistant_turns, max_user_turns, max_parallel_calls, max_tool_response_length, tool_response_truncate_side, tool_config_path, function_tool_path and format")),
+    ("reward_model.num_workers", _note("has no effect: megappo scores each sample once, the batch spread over the "
+                                       "training ranks (reward_model.reward_manager=prime adds reward_model.prime_workers "
+                                       "worker processes per rank)")),
+    ("reward_model.launch_reward_fn_async", _note("has no effect: megappo scores the batch right after generation, "
+                                                  "spread over the training ranks")),
+    ("reward_model.use_reward_loop", lambda v: None),   # verl's two reward code paths; megappo has one
     ("reward_model.overlong_buffer.log", lambda v: None),   # megappo always logs the penalty's batch metrics
     ("reward_model.reward_kwargs.overlong_buffer_cfg.log", lambda v: None),   # (the same)
     ("reward_model.reward_kwargs.overlong_buffer_cfg.*", _always("error", "is not supported: DAPO's overlong penalty takes enable, len, penalty_factor and log (reward_model.overlong_buffer.* here)")),
