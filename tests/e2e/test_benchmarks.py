@@ -53,39 +53,46 @@ def test_gpu_step_benchmark_quick_on_cpu_under_the_device_check():
     assert figures["logprob_parity_max_abs_diff"] < 1e-4  # float32 on CPU
 
 
-@pytest.mark.e2e
-def test_learning_benchmark_quick_ends_with_json(tmp_path):
-    """benchmarks/learning.py's harness (one megappo run, 3 steps): curves parsed, summary keys."""
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--tasks", "words",
-                        "--methods", "grpo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def gae_quick(tmp_path_factory):
+    """One benchmarks/learning.py --quick run (echo, gae, 3 steps, a checkpoint at 3): its output
+    and folder, read by the learning harness's test and pg_variance's."""
+    out = tmp_path_factory.mktemp("learning")
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--tasks", "echo",
+                        "--methods", "gae", "--out", str(out), "--extra", "trainer.save_freq=3"],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    figures = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(figures) == {"wall_s", "words_grpo_samples_to_target_median", "words_grpo_samples_to_target_per_seed",
-                            "words_grpo_collapsed_runs", "words_grpo_score_at_budget_per_seed",
-                            "words_grpo_score_at_budget_se_per_seed"}
-    assert figures["words_grpo_samples_to_target_per_seed"] == [None]   # 3 steps reach no target
-    assert figures["words_grpo_collapsed_runs"] == 0
-    rows = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("words/grpo/s0")]
+    return p.stdout, out
+
+
+@pytest.mark.e2e
+def test_learning_benchmark_quick_ends_with_json(gae_quick):
+    """benchmarks/learning.py's harness (one megappo run, 3 steps): curves parsed, summary keys."""
+    stdout, _ = gae_quick
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    assert set(figures) == {"wall_s", "echo_gae_samples_to_target_median", "echo_gae_samples_to_target_per_seed",
+                            "echo_gae_collapsed_runs", "echo_gae_score_at_budget_per_seed",
+                            "echo_gae_score_at_budget_se_per_seed"}
+    assert figures["echo_gae_samples_to_target_per_seed"] == [None]   # 3 steps reach no target
+    assert figures["echo_gae_collapsed_runs"] == 0
+    rows = [ln.split() for ln in stdout.splitlines() if ln.startswith("echo/gae/s0")]
     assert len(rows) == 3 and all(0.0 <= float(r[2]) <= 1.0 and float(r[3]) > 0 for r in rows)  # score, entropy
     # all 3 steps lie within the budget: the score at budget is their mean (printed to 3 places)
-    assert figures["words_grpo_score_at_budget_per_seed"][0] == pytest.approx(
+    assert figures["echo_gae_score_at_budget_per_seed"][0] == pytest.approx(
         sum(float(r[2]) for r in rows) / 3, abs=1e-3)
     # and its standard error is the 3 steps' spread / sqrt(3) (scores printed to 3 places)
     sd = statistics.stdev(float(r[2]) for r in rows)
-    assert figures["words_grpo_score_at_budget_se_per_seed"][0] == pytest.approx(sd / math.sqrt(3), abs=2e-3)
+    assert figures["echo_gae_score_at_budget_se_per_seed"][0] == pytest.approx(sd / math.sqrt(3), abs=2e-3)
 
 
 @pytest.mark.e2e
-def test_pg_variance_reads_a_gae_runs_checkpoint(tmp_path):
+def test_pg_variance_reads_a_gae_runs_checkpoint(gae_quick):
     """benchmarks/pg_variance.py on a 3-step gae run's checkpoint: actor and critic exported, the
     run's beta read from its metrics, and the variance figures consistent with it."""
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--tasks", "echo",
-                        "--methods", "gae", "--out", str(tmp_path), "--extra", "trainer.save_freq=3"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    run = tmp_path / "echo_gae_s0"
+    _, out = gae_quick
+    run = out / "echo_gae_s0"
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "pg_variance.py"), "--run", str(run), "--setup",
-                        str(tmp_path / "setup_echo_s0"), "--task", "echo", "--steps", "3", "--batches", "4",
+                        str(out / "setup_echo_s0"), "--task", "echo", "--steps", "3", "--batches", "4",
                         "--prompts", "4", "--oracle"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     (row,) = json.loads(p.stdout.strip().splitlines()[-1])["rows"]

@@ -1,6 +1,7 @@
 """The tool runner: concurrency across samples, per-call limits, errors as answers, truncation, metrics."""
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +208,37 @@ def test_mismatched_lists_and_bad_side_are_errors():
         r.run_turn(["a", "b"], [[]], [{}, {}])
     with pytest.raises(ValueError, match="truncate_side must be one of"):
         ToolRunner({}, truncate_side="up")
+
+
+def test_verls_gsm8k_tool_config_runs_as_verl_grades(tmp_path):
+    """verl's multi-turn GSM8K tool config, unchanged (class verl.tools.gsm8k_tool.Gsm8kTool, verl
+    not installed): megappo's Gsm8kTool under verl's schema; verl's grading (flexible extraction of
+    "#### " + answer), its answer text, its -0.05 for a submission that does not improve, and
+    calc_reward the last grade, per sample from its row's create_kwargs."""
+    import importlib.util
+    import sys
+
+    from megappo.tools import Gsm8kTool, tools_from_config
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from verl_commands import VERL_GSM8K_TOOL_CONFIG
+
+    assert importlib.util.find_spec("verl") is None
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(VERL_GSM8K_TOOL_CONFIG)
+    (tool,) = tools_from_config(path)
+    assert isinstance(tool, Gsm8kTool) and tool.name == "calc_gsm8k_reward"
+    assert tool.tool_schema["function"]["description"].endswith("or not correctly parsed)")   # verl's file's schema
+    r = ToolRunner({"calc_gsm8k_reward": tool})
+    kw = [{"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+          {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1,000"}}}]
+    turns = [[call("calc_gsm8k_reward", answer="70")], [call("calc_gsm8k_reward", answer="1000")]]
+    out = r.run_turn(["a", "b"], turns, kw)
+    assert [(o[0].text, o[0].reward) for o in out] == [("Current parsed answer='70' reward=0.0", -0.05),
+                                                       ("Current parsed answer='1000' reward=1.0", 0.0)]
+    out = r.run_turn(["a", "b"], [[call("calc_gsm8k_reward", answer="The answer is 72.")],
+                                  [call("calc_gsm8k_reward", answer="#### 1000")]], kw)
+    assert [(o[0].text, o[0].reward) for o in out] == [("Current parsed answer='The answer is 72.' reward=1.0", 0.0),
+                                                       ("Current parsed answer='#### 1000' reward=1.0", -0.05)]
+    assert r.finish("a") == {"calc_gsm8k_reward": 1.0} and r.finish("b") == {"calc_gsm8k_reward": 1.0}
+    assert tool._state == {}   # released

@@ -9,7 +9,9 @@
 - Two tools that ship: :class:`Calculator` (arithmetic on the syntax tree, no eval) and
   :class:`PythonSandbox` (a subprocess under CPU, memory, process, output and wall-clock limits;
   see its module for exactly what is isolated). In a tool config: ``megappo.tools.Calculator``,
-  ``megappo.tools.PythonSandbox``. :class:`Lookup` is the tool of the synthetic ``lookup`` task.
+  ``megappo.tools.PythonSandbox``. :class:`Lookup` is the tool of the synthetic ``lookup`` task;
+  :class:`Gsm8kTool` is verl's GSM8K answer-grading tool (its class name in a verl tool config
+  loads it where verl is not installed).
 - :func:`read_tool_config` / :func:`load_tools`: verl's tool config YAML and function-tool files;
   :func:`tools_kwargs_of` reads a row's ``extra_info.tools_kwargs``.
 - :class:`Interaction` / :class:`InteractionRunner`: a simulated user answering between the
@@ -20,6 +22,7 @@ Importing this package imports neither torch nor vLLM.
 from .base import FunctionTool, Tool, function_schema, function_tool, normalise_result, schema_from_function
 from .calculator import Calculator, CalculatorError, calculate
 from .lookup import Lookup
+from .gsm8k import Gsm8kTool
 from .parser import (ERROR_KINDS, INVALID_ARGUMENTS, MALFORMED_CALL, MALFORMED_JSON, TIMEOUT, TOO_MANY_CALLS,
                      TOOL_EXCEPTION, UNCLOSED, UNKNOWN_TOOL, PARSERS, ToolCall, check_arguments, check_call,
                      parse_hermes)
@@ -35,7 +38,7 @@ __all__ = ["FunctionTool", "Tool", "function_schema", "function_tool", "normalis
            "TOOL_EXCEPTION", "UNCLOSED", "UNKNOWN_TOOL", "PARSERS", "ToolCall", "check_arguments", "check_call",
            "parse_hermes",
            "TRUNCATE_SIDES", "ToolResult", "ToolRunner", "truncate",
-           "Calculator", "CalculatorError", "calculate", "Lookup", "PythonSandbox",
+           "Calculator", "CalculatorError", "calculate", "Lookup", "Gsm8kTool", "PythonSandbox",
            "ToolConfigError", "ToolSpec", "load_tools", "read_tool_config", "tools_from_config",
            "tools_from_file", "tools_kwargs_of",
            "Gsm8kInteraction", "Interaction", "InteractionError", "InteractionRunner", "InteractionSpec", "interaction_kwargs_of",

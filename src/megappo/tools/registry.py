@@ -146,11 +146,19 @@ def import_class(dotted: str, where: str) -> type:
     return getattr(module, attr)
 
 
+# verl's tool classes megappo has its own of: used for their names where verl is not installed
+VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": "megappo.tools.Gsm8kTool"}
+
+
 def tools_from_config(path: str | Path) -> list[Tool]:
-    """Instantiate every tool of a tool config YAML (``cls(config=..., tool_schema=...)`` as verl does)."""
+    """Instantiate every tool of a tool config YAML (``cls(config=..., tool_schema=...)`` as verl does).
+    verl's GSM8K tool, where verl is not installed, is megappo's (VERL_TOOLS)."""
     tools = []
     for spec in read_tool_config(path):
-        cls = import_class(spec.class_name, spec.where)
+        name = spec.class_name
+        if name in VERL_TOOLS and importlib.util.find_spec("verl") is None:
+            name = VERL_TOOLS[name]
+        cls = import_class(name, spec.where)
         config = resolve_env(spec.config, spec.where + ".config")
         try:
             tool = cls(config=config, tool_schema=spec.tool_schema)
