@@ -163,3 +163,36 @@ def test_gsm8k_tool_rows_offer_the_calculator_that_examples_tools_ships(tmp_path
     assert calc.name == "calculator" and calc.tool_schema["function"]["parameters"]["required"] == ["expression"]
     iid = calc.create(**tools_kwargs_of(tool["train"][1]["extra_info"])["calculator"]["create_kwargs"])
     assert calc.execute(iid, {"expression": "1000 + 234"})[0] == "1234"
+
+
+def test_verls_multi_turn_gsm8k_rows_run_with_verls_tool_config(tmp_path):
+    """gsm8k_multiturn_w_tool: verl's rows (its prompts, the calc_gsm8k_reward tool's create_kwargs);
+    verl's tool config builds megappo's Gsm8kTool where verl is absent, and a row's create_kwargs
+    make it grade the row's answer."""
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from verl_commands import VERL_GSM8K_TOOL_CONFIG
+
+    from megappo.tools import ToolRunner, ToolCall, tools_from_config, tools_kwargs_of
+
+    _dataset(tmp_path / "home" / "hub", "openai/gsm8k", GSM8K_README, {"main": GSM8K, "socratic": SOCRATIC})
+    r = _preprocess(tmp_path, "gsm8k_multiturn_w_tool", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(tmp_path / "out")
+    assert [len(rows[s]) for s in ("train", "test")] == [3, 1]
+    for t in rows["train"]:
+        system, user = t["prompt"]
+        assert "`calc_gsm8k_reward` tool" in system["content"] and system["role"] == "system"
+        assert user == {"role": "user", "content": t["extra_info"]["question"] + " Let's think step by step and "
+                                                   "output the final answer after `####`."}
+        truth = t["reward_model"]["ground_truth"]
+        assert truth == t["extra_info"]["answer"].split("####")[-1].strip().replace(",", "")
+        assert tools_kwargs_of(t["extra_info"]) == {
+            "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}
+        assert t["extra_info"]["interaction_kwargs"] == {"query": user["content"], "ground_truth": truth}
+    (tmp_path / "tools.yaml").write_text(VERL_GSM8K_TOOL_CONFIG)
+    (tool,) = tools_from_config(tmp_path / "tools.yaml")
+    runner = ToolRunner({tool.name: tool})
+    row = rows["train"][0]
+    truth = row["reward_model"]["ground_truth"]
+    out = runner.run_turn(["s"], [[ToolCall("calc_gsm8k_reward", {"answer": truth})]], [tools_kwargs_of(row["extra_info"])])
+    assert out[0][0].text == f"Current parsed answer={truth!r} reward=1.0" and runner.finish("s") == {"calc_gsm8k_reward": 1.0}

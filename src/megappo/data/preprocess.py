@@ -3,6 +3,7 @@
     python -m megappo.data.preprocess gsm8k [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess gsm8k_tool [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess gsm8k_interaction [--input <file or folder>] --out <dir>
+    python -m megappo.data.preprocess gsm8k_multiturn_w_tool [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess math  [--input <file or folder>] --out <dir>
     python -m megappo.data.preprocess synthetic --out <dir> [--n-train 512 --n-test 64]
 
@@ -11,6 +12,9 @@ verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (a system prompt offer
 ``extra_info.need_tools_kwargs`` and ``tools_kwargs.calculator.create_kwargs``). gsm8k_interaction
 is GSM8K for multi-turn rollouts with the GSM8K interaction (a teacher who asks again until the
 answer is right), in the row shape of verl's gsm8k_multiturn_w_interaction.py.
+gsm8k_multiturn_w_tool writes the rows of verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py
+(its prompts, the ``calc_gsm8k_reward`` tool's create_kwargs): the data of verl's multi-turn GSM8K
+command, whose tool config megappo runs with its own ``megappo.tools.Gsm8kTool``.
 
 Without ``--input``, gsm8k, gsm8k_tool and math read the hub data sets verl's preprocessing reads
 (HUB_DATASETS: ``openai/gsm8k`` config ``main``, ``DigitalLearningGmbH/MATH-lighteval``), splits
@@ -32,11 +36,12 @@ import sys
 from megappo import hub
 from megappo.rewards import last_boxed, synthetic
 
-__all__ = ["gsm8k_row", "gsm8k_tool_row", "gsm8k_interaction_row", "math_row", "HUB_DATASETS", "main"]
+__all__ = ["gsm8k_row", "gsm8k_tool_row", "gsm8k_interaction_row", "gsm8k_verl_tool_row", "math_row", "HUB_DATASETS",
+           "main"]
 
 # task: (hub data set id, its config), as verl's examples/data_preprocess load them.
 HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "gsm8k_tool": ("openai/gsm8k", "main"),
-                "gsm8k_interaction": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
+                "gsm8k_interaction": ("openai/gsm8k", "main"), "gsm8k_multiturn_w_tool": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
@@ -45,6 +50,12 @@ GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you ne
 GSM8K_INTERACTION_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
                             "Reconsider your answer carefully when the user says it is wrong. Put your final answer "
                             "in the format of `#### <answer>`.")
+# verl's multi-turn GSM8K rows (gsm8k_multiturn_w_tool.py): its system prompt and instruction, as they are
+VERL_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                    "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
+                    "step by step solving the question, before generate final answer at least once and refine your "
+                    "answer if necessary. Put your final answer in the format of `#### <answer>`.")
+VERL_TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 ECHO_WORDS = ["red", "blue", "green", "gold"]
 
@@ -88,6 +99,20 @@ def gsm8k_interaction_row(raw: dict, index: int, split: str) -> dict:
     row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}] + row["prompt"]
     row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": row["prompt"][-1]["content"],
                                                "ground_truth": truth}
+    return row
+
+
+def gsm8k_verl_tool_row(raw: dict, index: int, split: str) -> dict:
+    """verl's multi-turn GSM8K row: its system prompt asking for the ``calc_gsm8k_reward`` tool,
+    its instruction, ``tools_kwargs.calc_gsm8k_reward.create_kwargs`` with the ground truth and
+    ``interaction_kwargs`` with the query and the ground truth (no interaction name: verl's
+    command configures no interaction)."""
+    row = gsm8k_row(raw, index, split)
+    truth, question = row["reward_model"]["ground_truth"], raw["question"] + " " + VERL_TOOL_INSTRUCTION
+    row["prompt"] = [{"role": "system", "content": VERL_TOOL_SYSTEM}, {"role": "user", "content": question}]
+    row["extra_info"].update(need_tools_kwargs=True,
+                             tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                             interaction_kwargs={"query": question, "ground_truth": truth})
     return row
 
 
@@ -260,7 +285,8 @@ def write_parquet(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megappo.data.preprocess", description=__doc__.split("\n")[0])
-    ap.add_argument("task", choices=["gsm8k", "gsm8k_tool", "gsm8k_interaction", "math", "synthetic"])
+    ap.add_argument("task", choices=["gsm8k", "gsm8k_tool", "gsm8k_interaction", "gsm8k_multiturn_w_tool", "math",
+                                     "synthetic"])
     ap.add_argument("--input", help="raw data file or folder (gsm8k, gsm8k_tool, math; default: the hub data set, see "
                                      "HUB_DATASETS)")
     ap.add_argument("--split", default="train", help="split of a single --input file")
@@ -274,7 +300,7 @@ def main(argv=None) -> int:
                   "test": synthetic.make_echo_rows(args.n_test, ECHO_WORDS, seed=args.seed + 1)}
     else:
         make = {"gsm8k": gsm8k_row, "gsm8k_tool": gsm8k_tool_row, "gsm8k_interaction": gsm8k_interaction_row,
-                "math": math_row}[args.task]
+                "gsm8k_multiturn_w_tool": gsm8k_verl_tool_row, "math": math_row}[args.task]
         try:
             splits = _convert(args.input, args.split, make) if args.input else _from_hub(args.task, make)
         except (ValueError, OSError) as e:
