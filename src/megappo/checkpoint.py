@@ -665,56 +665,87 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     except CheckpointError:
         kept = "'latest' is untouched"
     what = f"checkpoint {final} was not saved ({kept})"
-    err = None
-    try:
+
+    def stage(fn) -> None:
+        _stage(fn, what, tmp)
+
+    def fresh() -> None:
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-    except Exception as e:  # noqa: BLE001 - reported collectively below
-        err = e
-    _agree(err, what)
+
+    def state(name: str, worker) -> None:
+        save_worker(worker, os.path.join(tmp, name))
+        if _rank0() and _lora(worker):
+            _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
+
+    def rank_state() -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
+        torch.save(per_rank_state, _rank_file(tmp, rank))
+
+    def finish() -> None:
+        if not _rank0():
+            return
+        for name, src in (hf_sources or {}).items():
+            if name not in (hf_weights or {}) and resumable:   # (an HF export has its files)
+                copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
+        if resumable:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, **trainer_state}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _write_manifest(tmp)
+        _publish(root, tmp, final, step, point_latest=resumable)
+
+    stage(fresh)
+    for name, worker in workers.items():
+        if resumable:
+            stage(lambda: state(name, worker))
+        if name in (hf_weights or {}):
+            stage(lambda: _save_hf_weights(hf_weights[name], (hf_sources or {})[name], os.path.join(tmp, name)))
+    if per_rank_state is not None and resumable:
+        stage(rank_state)
+    stage(finish)
+    if _rank0() and max_to_keep:
+        _prune(root, max_to_keep, resumable)
+    _barrier()
+    return final
+
+
+def _stage(fn, what: str, tmp: str) -> None:
+    """One part of a save, on every rank; a failure on any rank is raised on all of them before
+    the next part's collectives start (and the partial save ``tmp`` is removed)."""
+    err = None
     try:
-        for name, worker in workers.items():
-            if resumable:
-                save_worker(worker, os.path.join(tmp, name))
-                if _rank0() and _lora(worker):
-                    _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
-            if name in (hf_weights or {}):
-                _save_hf_weights(hf_weights[name], (hf_sources or {})[name], os.path.join(tmp, name))
-        if per_rank_state is not None and resumable:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            os.makedirs(os.path.dirname(_rank_file(tmp, rank)), exist_ok=True)
-            torch.save(per_rank_state, _rank_file(tmp, rank))
-    except Exception as e:  # noqa: BLE001
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported collectively
         err = e
     try:
-        _agree(err, what)
-        err = None
-        if _rank0():
-            try:
-                for name, src in (hf_sources or {}).items():
-                    if name not in (hf_weights or {}) and resumable:   # (an HF export has its files)
-                        copy_hf_files(src, os.path.join(tmp, name, "huggingface"))
-                if resumable:
-                    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                        json.dump({"step": step, **trainer_state}, f)
-                        f.flush()
-                        os.fsync(f.fileno())
-                _write_manifest(tmp)
-                _publish(root, tmp, final, step, point_latest=resumable)
-            except Exception as e:  # noqa: BLE001
-                err = e
         _agree(err, what)
     except CheckpointError:
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if _rank0() and max_to_keep:
-        steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
-        for old in steps[:-max_to_keep]:
+
+
+def _is_resumable(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "trainer_state.json"))
+
+
+def _prune(root: str, keep: int, resumable: bool) -> None:
+    """The ``keep`` newest saves of this save's kind stay (resumable checkpoints and HF exports
+    are counted apart); the checkpoint ``latest`` names is never removed."""
+    try:
+        latest = latest_step(root)
+    except CheckpointError:
+        latest = None
+    steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root)
+                   if d.startswith("global_step_") and d.split("_")[-1].isdigit()
+                   and _is_resumable(os.path.join(root, d)) == resumable)
+    for old in steps[:-keep]:
+        if old != latest:
             shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
-    _barrier()
-    return final
 
 
 def _save_hf_weights(writer, src: str, folder: str) -> None:
@@ -737,6 +768,8 @@ def _publish(root: str, tmp: str, final: str, step: int, point_latest: bool = Tr
     older folder of the same step is moved aside first and deleted last, so at every instant
     ``latest`` names a complete checkpoint."""
     old = None
+    if not point_latest and _is_resumable(final):
+        raise CheckpointError(f"{final} holds a resumable checkpoint: an HF export of the same step does not replace it")
     if os.path.exists(final):
         old = os.path.join(root, f".old_global_step_{step}")
         shutil.rmtree(old, ignore_errors=True)

@@ -105,7 +105,8 @@ def _train_and_save(rank, world, dirs, runs, imported, out_dir):
                         hf_weights=writers)
         save_checkpoint(os.path.join(runs, name + "_export"), 1, workers, {}, hf_sources={k: path for k in workers},
                         hf_weights=writers, resumable=False)
-        if name == "tp2pp1":   # the disk fills during rank 0's HF writes: every rank raises, nothing is published
+        if name == "tp2pp2":   # the disk fills during rank 0's HF writes of the actor: every rank raises (the
+            # critic's save and walk after it start on no rank), nothing is published
             from megappo.checkpoint import CheckpointError
             from megappo.convert import hf_export
 
@@ -292,15 +293,16 @@ def test_checkpoint_writes_hf_model(ckpts, tmp_path, name):
 
 
 def test_checkpoint_hf_model_disk_full(ckpts):
-    """A write that fails on rank 0 mid-walk: the other ranks' gathers still pair up (no hang),
-    every rank raises the same error, the partial save is gone and 'latest' still names step 1."""
+    """A write that fails on rank 0 mid-walk of the actor: the other ranks' gathers still pair up,
+    no rank goes on to the critic (no hang), every rank raises the same error, the partial save is
+    gone and 'latest' still names step 1."""
     from megappo.checkpoint import latest_step
 
     said = [(ckpts["root"] / f"disk_full_{r}.txt").read_text() for r in range(4)]
     assert len(set(said)) == 1, said
     assert said[0].startswith("checkpoint ") and "global_step_2 was not saved (the previous checkpoint global_step_1 " \
         "and 'latest' are untouched): rank 0: disk full" in said[0], said[0]
-    run = ckpts["runs"] / "tp2pp1_hf"
+    run = ckpts["runs"] / "tp2pp2_hf"
     assert latest_step(str(run)) == 1 and sorted(os.listdir(run)) == ["global_step_1", "latest"]
 
 

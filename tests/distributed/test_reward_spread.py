@@ -88,7 +88,9 @@ def test_rewards_are_spread_over_the_ranks(tmp_path):
         p = g["prime"]
         assert p["scores"] == [1.0, 0.0, 0.0, 1.0, 0.0]
         assert p["metrics"] == {"reward/failed": 2.0, "reward/timed_out": 1.0}
-        assert [d["rank"] if d else None for d in p["details"]] == [0, 1, None, 0, None]
+        assert [d.get("rank", d.get("reward_failed")) for d in p["details"]] == [
+            0, 1, "sample 2 (data_source='src'): timed out after 1 s", 0,
+            f"{reward}:per_sample raised on sample 4 (data_source='src'): ValueError: cannot parse"]
     # the prime calls ran in worker processes, not in the ranks
     ranks = {g["pid"] for g in got}
     assert all(pid not in ranks for g in got for pid in g["prime"]["pids"]) and got[0]["prime"]["pids"]

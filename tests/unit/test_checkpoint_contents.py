@@ -70,11 +70,17 @@ def test_an_export_run_does_not_overwrite_another_runs_exports(tmp_path):
     export = [A + "checkpoint.save_contents=[hf_model]", *GRPO]
     check_run_dir(_cfg(*export, root=root))            # no folder yet
     _exports(root, 10, 2)
-    with pytest.raises(CheckpointError, match=r"holds HuggingFace exports of an earlier run \(global_step_2 \.\. "
-                                              r"global_step_10\) and this run's saves are exports too"):
-        check_run_dir(_cfg(*export, root=root))
+    for run in (export, GRPO):   # a run of exports, or of checkpoints: either would start over and overwrite them
+        with pytest.raises(CheckpointError, match=r"holds HuggingFace exports of an earlier run \(global_step_2 \.\. "
+                                                  r"global_step_10\) and no checkpoint to resume"):
+            check_run_dir(_cfg(*run, root=root))
     check_run_dir(_cfg(*export, "trainer.resume_mode=disable", root=root))   # asked to start over here
-    check_run_dir(_cfg(*GRPO, root=root))   # a resumable run: resume finds no 'latest' and starts over as before
+    # exports over a folder of checkpoints: refused where it would start over
+    _resumable(root, 4)
+    with pytest.raises(CheckpointError, match=r"holds resumable checkpoints \(global_step_4 \.\. global_step_4\) and "
+                                              r"this run's saves are HuggingFace exports"):
+        check_run_dir(_cfg(*export, "trainer.resume_mode=disable", root=root))
+    check_run_dir(_cfg(*GRPO, "trainer.resume_mode=disable", root=root))
 
 
 def test_load_checkpoint_names_an_export(tmp_path):
@@ -106,5 +112,46 @@ def test_a_resume_that_would_load_nothing_is_refused(tmp_path):
                                                   r"actor_rollout_ref.actor.checkpoint.load_contents=\['hf_model'\] "
                                                   r"would load neither its weights nor its optimizer"):
             check_run_dir(cfg)
-    check_run_dir(_cfg(*export, "trainer.resume_mode=disable", root=tmp_path))
     check_run_dir(_cfg(*GRPO, root=tmp_path))   # the default contents resume it
+
+
+def _resumable(root: Path, step: int) -> None:
+    (root / f"global_step_{step}").mkdir(parents=True)
+    (root / f"global_step_{step}" / "trainer_state.json").write_text("{}")
+
+
+def test_pruning_counts_each_kind_apart_and_keeps_latest(tmp_path):
+    """max_to_keep: exports never push out the checkpoint 'latest' names, and resumable saves
+    do not push out exports."""
+    from megappo.checkpoint import _prune, latest_step
+
+    _resumable(tmp_path, 10)
+    (tmp_path / "latest").write_text("10")
+    _exports(tmp_path, 20, 30)
+    _prune(str(tmp_path), 1, resumable=False)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_10", "global_step_30", "latest"]
+    assert latest_step(str(tmp_path)) == 10
+    _resumable(tmp_path, 40)
+    _prune(str(tmp_path), 1, resumable=True)   # 'latest' (10) stays even though 40 is newer
+    assert sorted(os.listdir(tmp_path)) == ["global_step_10", "global_step_30", "global_step_40", "latest"]
+
+
+def test_an_export_never_replaces_a_resumable_checkpoint(tmp_path):
+    from megappo.checkpoint import _publish
+
+    _resumable(tmp_path, 5)
+    (tmp_path / "latest").write_text("5")
+    (tmp_path / ".tmp_global_step_5").mkdir()
+    with pytest.raises(CheckpointError, match="global_step_5 holds a resumable checkpoint: an HF export of the same "
+                                              "step does not replace it"):
+        _publish(str(tmp_path), str(tmp_path / ".tmp_global_step_5"), str(tmp_path / "global_step_5"), 5,
+                 point_latest=False)
+    assert (tmp_path / "global_step_5" / "trainer_state.json").is_file()
+
+
+def test_an_invalid_list_is_named_once():
+    from megappo.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _cfg(A + "checkpoint.save_contents=[model,hf_model]")   # (tiny_cpu has a critic with the default list)
+    assert [k for k, _ in e.value.errors] == [A + "checkpoint.save_contents"]

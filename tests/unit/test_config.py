@@ -625,7 +625,7 @@ RULES = [
      "batch calls custom_reward_function.path's function with lists"),
     ([A + "checkpoint.save_contents=[model,extra]"], {}, A + "checkpoint.save_contents",
      "must hold model, optimizer and extra (a resumable checkpoint; add hf_model to write a HuggingFace folder too) "
-     "or be [hf_model] (HuggingFace exports only); got ['model', 'extra']"),
+     "or be [hf_model] (HuggingFace exports only); got ['model', 'extra'] (to save nothing, set trainer.save_freq=-1)"),
     ([A + "checkpoint.load_contents=[model]"], {}, A + "checkpoint.load_contents",
      "must hold model, optimizer and extra: a resume restores all three; got ['model'] (to start from a checkpoint's "
      "weights with a fresh optimizer, set actor_rollout_ref.actor.megatron.use_dist_checkpointing=True"),

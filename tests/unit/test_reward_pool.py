@@ -38,18 +38,19 @@ def test_pool_scores_and_survives_hangs_errors_and_crashes(reward_file):
         out = pool.score([_task(10, "a"), _task(11, "hang"), _task(12, "b"), _task(13, "raise"), _task(14, "crash"),
                           _task(15, "a")])
         took = time.monotonic() - t0
-        assert [r["score"] if r else None for r in out.results] == [1.5, None, 0.5, None, None, 1.5]
+        assert [r[1]["score"] if r else None for r in out.results] == [1.5, None, 0.5, None, None, 1.5]
+        assert {r[0] for r in out.results if r} == {f"{reward_file}:compute_score"}   # where, for messages
         assert sorted(out.failed) == [1, 3, 4] and out.timed_out == 1
         assert out.failed[1] == "sample 11 (data_source='src'): timed out after 2 s"
         assert out.failed[3].startswith(f"{reward_file}:compute_score raised on sample 13 (data_source='src'): "
                                         "ValueError: bad answer")
         assert out.failed[4] == "sample 14 (data_source='src'): its worker died (exit code 3)"
-        pids = {r["pid"] for r in out.results if r}
+        pids = {r[1]["pid"] for r in out.results if r}
         assert os.getpid() not in pids
         assert took < 30, took   # the hang cost its limit, not 600 s
         # the replaced workers score the next batch; nothing is left of the old ones
         again = pool.score([_task(0, "a"), _task(1, "x")])
-        assert [r["score"] for r in again.results] == [1.5, 0.5] and not again.failed
+        assert [r[1]["score"] for r in again.results] == [1.5, 0.5] and not again.failed
         procs = list(pool.procs)
         assert all(p.is_alive() for p in procs)
     finally:
@@ -64,7 +65,8 @@ def test_pool_runs_the_built_in_rules():
     try:
         out = pool.score([(0, (synthetic.ECHO_SOURCE, "t10 t11", "t10 t11", None)),
                           (1, ("nobody/knows", "x", "y", None))])
-        assert out.results[0] == synthetic.echo_score("t10 t11", "t10 t11") and out.results[1] is None
+        assert out.results[0] == (f"built-in reward for {synthetic.ECHO_SOURCE!r}", synthetic.echo_score("t10 t11", "t10 t11"))
+        assert out.results[1] is None
         assert "no reward function for data_source 'nobody/knows'" in out.failed[1]
     finally:
         pool.close()
@@ -83,3 +85,53 @@ def test_a_worker_that_cannot_load_the_function_is_named(tmp_path):
         assert all(p is None for p in pool.procs)
     finally:
         del os.environ["PARENT"]
+
+
+def test_a_trainer_that_dies_takes_a_busy_worker_along(tmp_path, reward_file):
+    """A worker inside a hung call never reads the end of its pipe: the kernel ends it with the
+    process that started it (PR_SET_PDEATHSIG), so a killed trainer leaves no verifier running."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import sys, time
+from megappo.rewards import RewardPool
+if __name__ == "__main__":
+    pool = RewardPool(1, timeout_s=600.0, spec=({reward_file!r}, "compute_score", None))
+    pool._ensure()
+    print(pool.procs[0].pid, flush=True)
+    pool.conns[0].send((0, 0, ("src", "hang", "a", None)))
+    time.sleep(600)
+""")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = int(p.stdout.readline())
+    time.sleep(0.5)   # the worker is in its hung call
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    for _ in range(50):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{worker}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":   # ended, not yet reaped
+                break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError("the busy reward worker outlived its trainer")
+
+
+def test_a_failed_sample_reads_0_for_dapos_acc_and_gdpos_components():
+    """Under prime a failed sample scores 0 and its details say why; DAPO's acc filter and
+    gdpo's components read 0 there instead of stopping the run."""
+    from megappo.trainer.scoring import _acc, _reward_components
+
+    details = [{"score": 1.0, "acc": 1.0, "fmt": 0.5}, {"score": 0.0, "reward_failed": "timed out"}]
+    assert _acc(details, False).tolist() == [1.0, 0.0]
+    assert {k: v.tolist() for k, v in _reward_components(details, ["acc", "fmt"]).items()} == {
+        "acc": [1.0, 0.0], "fmt": [0.5, 0.0]}
+    with pytest.raises(Exception, match="sample 1 returned None"):   # a sample that did not fail must say acc
+        _acc([details[0], None], False)

@@ -520,20 +520,20 @@ def _checkpoint_contents(cfg: PPOConfig, need: Need) -> None:
     """save_contents: the resumable three together (with hf_model or not), or hf_model alone;
     a critic's like the actor's (one step saves both); load_contents: the three, or what was saved."""
     roles = [A.rstrip(".")] + (["critic"] if critic_enabled(cfg) else [])
-    kinds = {}
+    kinds, valid = {}, True
     for role in roles:
         ck = get(cfg, role + ".checkpoint")
         save, load = set(ck.save_contents), set(ck.load_contents)
         kinds[role] = RESUMABLE <= save
-        need(kinds[role] or save == {"hf_model"}, role + ".checkpoint.save_contents",
+        valid &= need(kinds[role] or save == {"hf_model"}, role + ".checkpoint.save_contents",
              f"must hold model, optimizer and extra (a resumable checkpoint; add hf_model to write a HuggingFace folder "
-             f"too) or be [hf_model] (HuggingFace exports only); got {ck.save_contents} (set trainer.save_freq=-1 to "
-             f"save nothing until the end)")
+             f"too) or be [hf_model] (HuggingFace exports only); got {ck.save_contents} (to save nothing, set "
+             f"trainer.save_freq=-1)")
         need(RESUMABLE <= load or load == save, role + ".checkpoint.load_contents",
              f"must hold model, optimizer and extra: a resume restores all three; got {ck.load_contents} (to start "
              f"from a checkpoint's weights with a fresh optimizer, set {role}.megatron.use_dist_checkpointing=True and "
              f"{role}.megatron.dist_checkpointing_path=<global_step_N>/{role.split('.')[-1]})")
-    if len(set(kinds.values())) > 1:
+    if valid and len(set(kinds.values())) > 1:   # (each list valid: else its own error says it)
         need(False, "critic.checkpoint.save_contents",
              f"must be resumable (model, optimizer, extra) exactly when the actor's is: one save holds both; the "
              f"actor's is {cfg.actor_rollout_ref.actor.checkpoint.save_contents}, the critic's "

@@ -99,10 +99,15 @@ def live_hf_writer(chunks, desc: ModelDesc):
     the weights of ``chunks`` into ``folder``, whose config.json (the source model's, copied there
     by the writing rank) it reads and rewrites."""
     def writer(folder: str, write: bool) -> None:
-        config = {}
+        config, err = {}, None
         if write:
-            with open(os.path.join(folder, "config.json")) as f:
-                config = json.load(f)
-        write_live_hf(chunks, desc, folder, config, write=write)
+            try:
+                with open(os.path.join(folder, "config.json")) as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:   # raised after the walk: the other ranks' gathers must pair up
+                err = e
+        write_live_hf(chunks, desc, folder, config, write=write and err is None)
+        if err is not None:
+            raise err
 
     return writer

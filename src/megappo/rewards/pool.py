@@ -30,15 +30,31 @@ def default_workers() -> int:
 
 @dataclass
 class PoolOutcome:
-    results: list                                  # per task: what the function returned (None: failed)
+    results: list                                  # per task: (where the function came from, what it returned); None: failed
     failed: dict = field(default_factory=dict)     # task position -> why (timed out, raised, worker died)
     timed_out: int = 0
 
 
-def _serve(spec: Optional[tuple], conn) -> None:
+def _die_with(parent: int) -> None:
+    """Linux: this worker is killed when the trainer process ends, however it ends (a worker busy
+    in a hung verifier never reads the end of its pipe). The pool starts its workers from the
+    trainer's main thread, whose end is the process's."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # not Linux: the pipe's end stops an idle worker
+        pass
+    if os.getppid() != parent:          # the trainer ended before the line above ran
+        os._exit(0)
+
+
+def _serve(spec: Optional[tuple], conn, parent: int) -> None:
     """A worker: load the function once, then score (position, args) messages until None."""
     from .registry import load_custom_reward, resolve_reward
 
+    _die_with(parent)
     try:
         custom = load_custom_reward(*spec) if spec is not None else None
     except Exception as e:  # noqa: BLE001 - the trainer says why
@@ -56,7 +72,7 @@ def _serve(spec: Optional[tuple], conn) -> None:
         where = "the reward function"
         try:
             fn, where, args = resolve_reward(ds, sol, gt, extra, custom, i)
-            conn.send(("ok", pos, fn(*args)))
+            conn.send(("ok", pos, (where, fn(*args))))
         except BaseException as e:  # noqa: BLE001 - any failure scores 0 (verl's prime), reported to the caller
             conn.send(("err", pos, f"{where} raised on sample {i} (data_source={ds!r}): {type(e).__name__}: {e}"))
 
@@ -75,7 +91,8 @@ class RewardPool:
 
     def _start(self, w: int) -> None:
         ours, theirs = self.ctx.Pipe()
-        p = self.ctx.Process(target=_serve, args=(self.spec, theirs), daemon=True, name=f"megappo-reward-{w}")
+        p = self.ctx.Process(target=_serve, args=(self.spec, theirs, os.getpid()), daemon=True,
+                             name=f"megappo-reward-{w}")
         p.start()
         theirs.close()
         self.procs[w], self.conns[w] = p, ours
@@ -100,25 +117,56 @@ class RewardPool:
         for w in new:
             self._wait_ready(w)
 
+    def _replace(self, w: int) -> None:
+        self._stop(w)
+        self._start(w)
+        self._wait_ready(w)
+
     def score(self, tasks: list[tuple]) -> PoolOutcome:
         """``tasks``: (sample number, (data_source, solution, ground_truth, extra_info)) each."""
         self._ensure()
         out = PoolOutcome([None] * len(tasks))
         todo = list(range(len(tasks)))[::-1]
         running: dict[int, tuple[int, float]] = {}   # worker -> (task position, start)
+
+        def fail(w: int, why: str, late: bool = False) -> None:
+            """The task worker ``w`` runs scores 0; the worker is replaced (its state is unknown)."""
+            pos, _ = running.pop(w)
+            i, (ds, *_) = tasks[pos]
+            out.failed[pos] = f"sample {i} (data_source={ds!r}): {why}"
+            out.timed_out += late
+            self._replace(w)
+
         while todo or running:
             for w in range(self.n):
                 if w not in running and todo:
                     pos = todo.pop()
-                    self.conns[w].send((pos, *tasks[pos]))
+                    try:
+                        self.conns[w].send((pos, *tasks[pos]))
+                    except (OSError, ValueError):   # an idle worker died: a new one takes the task
+                        todo.append(pos)
+                        self._replace(w)
+                        continue
+                    except Exception as e:  # noqa: BLE001 - the task cannot be sent (pickling)
+                        i, (ds, *_) = tasks[pos]
+                        out.failed[pos] = f"sample {i} (data_source={ds!r}): cannot be sent: {type(e).__name__}: {e}"
+                        self._replace(w)
+                        continue
                     running[w] = (pos, time.monotonic())
+            if not running:
+                continue
             soonest = min(t0 for _, t0 in running.values()) + self.timeout_s
             for c in wait([self.conns[w] for w in running], timeout=max(0.0, min(1.0, soonest - time.monotonic()))):
                 w = self.conns.index(c)
                 try:
                     kind, pos, value = c.recv()
                 except (EOFError, OSError):
-                    continue   # died mid-message: found below
+                    self.procs[w].join(timeout=5)
+                    fail(w, f"its worker died (exit code {self.procs[w].exitcode})")
+                    continue
+                except Exception as e:  # noqa: BLE001 - a result that does not unpickle here
+                    fail(w, f"its result could not be read: {type(e).__name__}: {e}")
+                    continue
                 running.pop(w)
                 if kind == "ok":
                     out.results[pos] = value
@@ -126,17 +174,10 @@ class RewardPool:
                     out.failed[pos] = value
             now = time.monotonic()
             for w, (pos, t0) in list(running.items()):
-                late, dead = now - t0 > self.timeout_s, not self.procs[w].is_alive()
-                if late or dead:
-                    code = self.procs[w].exitcode
-                    self._stop(w)
-                    self._start(w)
-                    self._wait_ready(w)
-                    running.pop(w)
-                    i, (ds, *_) = tasks[pos]
-                    out.failed[pos] = (f"sample {i} (data_source={ds!r}): timed out after {self.timeout_s:g} s" if late
-                                       else f"sample {i} (data_source={ds!r}): its worker died (exit code {code})")
-                    out.timed_out += late
+                if now - t0 > self.timeout_s:
+                    fail(w, f"timed out after {self.timeout_s:g} s", late=True)
+                elif not self.procs[w].is_alive():
+                    fail(w, f"its worker died (exit code {self.procs[w].exitcode})")
         return out
 
     def _wait_ready(self, w: int) -> None:

@@ -48,9 +48,12 @@ def spread_scores(data_sources: list, decode: Callable[[int], str], ground_truth
         args = ([data_sources[i] for i in mine], texts, [ground_truths[i] for i in mine], [extra_infos[i] for i in mine])
         if pool is not None and mine:
             got = pool.score([(i, a) for i, a in zip(mine, zip(*args))])
-            results = [0.0 if p in got.failed else r for p, r in enumerate(got.results)]
+            # a sample that failed scores 0 (verl's prime); its details say why (a filter's or
+            # gdpo's keys read 0 there)
+            results = [{"score": 0.0, "reward_failed": got.failed[p]} if p in got.failed else r[1]
+                       for p, r in enumerate(got.results)]
+            wheres = ["" if p in got.failed else r[0] for p, r in enumerate(got.results)]
             failed, timed_out = {mine[p]: why for p, why in got.failed.items()}, got.timed_out
-            wheres = ["the reward function"] * len(mine)
         elif mine:
             results, wheres = call_rewards(*args, custom=custom, index=mine)
     except Exception as e:  # noqa: BLE001 - every rank raises it (their gathers must pair up first)

@@ -142,7 +142,8 @@ class Generation:
                 self.engine.sleep()
             scores = score(batch, its)
             batch.token_level_scores, batch.reward_components = scores.token_level, scores.components
-            metrics.update(scores.metrics)
+            for k, v in scores.metrics.items():   # prime's failure counts add up over the rounds
+                metrics[k] = metrics.get(k, 0.0) + v if k in ("reward/failed", "reward/timed_out") else v
             generated_scores.append(scores.per_sample["seq_reward"])
             rows = torch.nonzero(algo.informative_groups(scores.per_sample[fg.metric], batch.prompt_index)).squeeze(-1)
             groups = torch.unique_consecutive(batch.prompt_index[rows])[:want - n_kept]

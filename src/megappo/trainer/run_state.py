@@ -58,8 +58,9 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
 
 def check_run_dir(cfg) -> None:
     """Before anything is built: a resume that checkpoint.load_contents would leave without the
-    state it needs is refused, and so is a run whose saves are HF exports only (never resumed
-    from) that would start over in a folder holding another run's exports."""
+    state it needs is refused, and so is a start over (resume_mode=auto finding no 'latest') in a
+    folder holding HF exports it would overwrite, or a run of exports (resume_mode=disable) in a
+    folder of checkpoints its exports may not replace."""
     from megappo.checkpoint import CheckpointError, latest_step
     from megappo.config import critic_enabled, resumable_checkpoints
 
@@ -76,18 +77,22 @@ def check_run_dir(cfg) -> None:
             raise CheckpointError(f"{target}: trainer.resume_mode={tr.resume_mode} resumes from it, but "
                                   f"{role}.checkpoint.load_contents={load} would load neither its weights "
                                   f"nor its optimizer: set it to [model, optimizer, extra], or trainer.resume_mode=disable")
-    if tr.resume_mode != "auto" or step is not None or resumable_checkpoints(cfg) or not os.path.isdir(root):
+    if not os.path.isdir(root) or step is not None or tr.resume_mode not in ("auto", "disable"):
         return
-    exports = sorted((d for d in os.listdir(root) if d.startswith("global_step_")
-                      and not os.path.isfile(os.path.join(root, d, "trainer_state.json"))),
-                     key=lambda d: int(d.rsplit("_", 1)[-1]) if d.rsplit("_", 1)[-1].isdigit() else -1)
-    if exports:
+    saves = sorted((d for d in os.listdir(root) if d.startswith("global_step_") and d.rsplit("_", 1)[-1].isdigit()),
+                   key=lambda d: int(d.rsplit("_", 1)[-1]))
+    exports = [d for d in saves if not os.path.isfile(os.path.join(root, d, "trainer_state.json"))]
+    kept = [d for d in saves if d not in exports]
+    if tr.resume_mode == "auto" and exports:
         raise CheckpointError(
-            f"{root} holds HuggingFace exports of an earlier run ({exports[0]} .. {exports[-1]}) and this run's saves "
-            f"are exports too (actor_rollout_ref.actor.checkpoint.save_contents="
-            f"{cfg.actor_rollout_ref.actor.checkpoint.save_contents}): nothing can be resumed, and starting over would "
-            f"overwrite them. Choose another trainer.default_local_dir, move them, or set trainer.resume_mode=disable "
-            f"to start over here")
+            f"{root} holds HuggingFace exports of an earlier run ({exports[0]} .. {exports[-1]}) and no checkpoint to "
+            f"resume ('latest' is absent): starting over would overwrite them. Choose another trainer.default_local_dir, "
+            f"move them, or set trainer.resume_mode=disable to start over here")
+    if tr.resume_mode == "disable" and kept and not resumable_checkpoints(cfg):
+        raise CheckpointError(
+            f"{root} holds resumable checkpoints ({kept[0]} .. {kept[-1]}) and this run's saves are HuggingFace exports "
+            f"(actor_rollout_ref.actor.checkpoint.save_contents={cfg.actor_rollout_ref.actor.checkpoint.save_contents}), "
+            f"which never replace a checkpoint: choose another trainer.default_local_dir or move them")
 
 
 def _plain_inflight(inflight) -> Optional[dict]:

@@ -106,10 +106,16 @@ class Scorer:
         return out
 
 
+def _zeros_if_failed(d, keys: list):
+    """A sample whose reward call failed under the prime manager (scored 0): 0 for ``keys`` too."""
+    return {**{k: 0.0 for k in keys}, **d} if isinstance(d, dict) and "reward_failed" in d else d
+
+
 def _reward_components(details: list, keys: list) -> dict:
     """name -> (B,) float64: the reward function's per-component scores (gdpo_reward_keys)."""
     from megappo.rewards import RewardFunctionError
 
+    details = [_zeros_if_failed(d, keys) for d in details]
     for i, d in enumerate(details):
         missing = [k for k in keys if not (isinstance(d, dict) and k in d)]
         if missing:
@@ -122,6 +128,7 @@ def _acc(details: list, reward_model: bool) -> torch.Tensor:
     """(B,) the reward function's ``acc`` per sample (DAPO's filter metric)."""
     from megappo.rewards import RewardFunctionError
 
+    details = [_zeros_if_failed(d, ["acc"]) for d in details]
     missing = [i for i, d in enumerate(details) if not (isinstance(d, dict) and "acc" in d)]
     if reward_model or missing:
         raise RewardFunctionError(
