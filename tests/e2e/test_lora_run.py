@@ -190,6 +190,13 @@ def test_lora_checkpoint_hf_model_is_the_merged_export(straight, tmp_path):
     assert diff < 1e-6, diff
     base = load_file(str(Path(setup["model"]) / "model.safetensors"))
     assert (got["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-4
+    # the policy's adapters beside it, as the converter's PEFT folder of the same checkpoint
+    peft = _converted(run, tmp_path / "peft")
+    mine = run / "global_step_4" / "actor" / "lora_adapter"
+    a, b = load_file(str(mine / "adapter_model.safetensors")), load_file(str(peft / "adapter_model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((mine / "adapter_config.json").read_text()) == json.loads((peft / "adapter_config.json").read_text())
+    assert not (run / "global_step_4" / "critic" / "lora_adapter").exists()   # the critic: its merged folder only
     critic_hf = run / "global_step_4" / "critic" / "huggingface"
     assert json.loads((critic_hf / "config.json").read_text())["architectures"][0].endswith("ForTokenClassification")
     model, info = AutoModelForTokenClassification.from_pretrained(str(critic_hf), dtype=torch.float32,

@@ -170,7 +170,7 @@ _SAVE_HELP = ("What each checkpoint holds (verl's names): model, optimizer and e
               "checkpoint (megatron dist_checkpointing of the weights, the optimizer and LR schedule, the trainer's "
               "state and RNG streams); hf_model also writes the weights as a HuggingFace model folder in "
               "global_step_N/<role>/huggingface (safetensors in the source config's dtype, loadable by transformers "
-              "and vLLM as it is; a LoRA model merged, a critic as *ForTokenClassification). hf_model alone writes "
+              "and vLLM as it is; a LoRA model merged, with a LoRA policy's PEFT adapter folder beside it in global_step_N/actor/lora_adapter; a critic as *ForTokenClassification). hf_model alone writes "
               "only that folder at each save: an export, which 'latest' never names and no run resumes from.")
 _LOAD_HELP = ("What a resume loads: model, optimizer and extra (hf_model is ignored, as in verl). verl's default "
               "follows save_contents. To start from a checkpoint's weights with a fresh optimizer, use "

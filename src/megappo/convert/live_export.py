@@ -32,15 +32,19 @@ def hf_dtype(config_json: dict, chunks) -> torch.dtype:
 
 
 def write_live_hf(chunks, desc: ModelDesc, out: str, config_json: dict, *, coords=None, write: bool,
-                  max_shard_size="5GB") -> Optional[dict]:
+                  max_shard_size="5GB", adapter_dir: Optional[str] = None,
+                  base_model: Optional[str] = None) -> Optional[dict]:
     """Write ``chunks``' weights into the HF folder ``out`` (config.json from ``config_json``, the
     source model's, with the dtype and, for a critic, the head rewritten; safetensors files and
-    their index). ``coords``: this rank's place in the model's groups (default: megatron's). Collective:
-    every rank of the model's groups calls it; the rank with ``write``
-    writes (its folder must exist). A write that fails (disk full) stops writing but the walk
+    their index). ``coords``: this rank's place in the model's groups (default: megatron's).
+    Collective: every rank of the model's groups calls it; the rank with ``write`` writes (its
+    folder must exist). A write that fails (disk full) stops writing but the walk
     goes on to its end, so the other ranks' collectives still pair up; the error is raised
-    after it, on the writing rank. Returns the writer's summary (None elsewhere)."""
-    from megappo.models import export_lora_tensors, has_lora, lora_spec_of, merged_hf_tensors, uses_te
+    after it, on the writing rank. Returns the writer's summary (None elsewhere). A LoRA model's
+    adapters also go to ``adapter_dir`` as a PEFT adapter folder on ``base_model``, when given."""
+    from megappo.layout import RankCoords
+    from megappo.models import (export_lora_tensors, has_lora, lora_spec_of, merged_hf_tensors, uses_te,
+                                write_peft_adapter)
 
     from .hf_export import ShardWriter, _check_space, _hf_config_json, _numel, parse_size, plan_shards
 
@@ -60,11 +64,15 @@ def write_live_hf(chunks, desc: ModelDesc, out: str, config_json: dict, *, coord
                 json.dump(_hf_config_json(config_json, desc, dt, desc.value_head), f, indent=2)
         except Exception as e:  # noqa: BLE001 - raised after the walk (the collectives must finish)
             err = e
-    from megappo.layout import RankCoords
-
     named = iter_hf_tensors(chunks, desc, coords or RankCoords.from_megatron(), te)
     if has_lora(chunks):
-        named = merged_hf_tensors(named, export_lora_tensors(chunks), lora_spec_of(chunks))
+        adapters, spec = export_lora_tensors(chunks), lora_spec_of(chunks)
+        named = merged_hf_tensors(named, adapters, spec)
+        if write and err is None and adapter_dir is not None:
+            try:
+                write_peft_adapter(adapter_dir, adapters, spec, base_model_name_or_path=base_model)
+            except Exception as e:  # noqa: BLE001 - raised after the walk
+                err = e
     for name, t in named:
         if not write or err is not None:
             continue
@@ -94,10 +102,11 @@ def write_live_hf(chunks, desc: ModelDesc, out: str, config_json: dict, *, coord
     return {"out": out, "files": [s.file for s in shards], "bytes": total, "dtype": str(dt), "tensors": len(where)}
 
 
-def live_hf_writer(chunks, desc: ModelDesc):
+def live_hf_writer(chunks, desc: ModelDesc, base_model: Optional[str] = None):
     """``writer(folder, write)`` for :func:`megappo.checkpoint.save_checkpoint`'s ``hf_weights``:
     the weights of ``chunks`` into ``folder``, whose config.json (the source model's, copied there
-    by the writing rank) it reads and rewrites."""
+    by the writing rank) it reads and rewrites. A LoRA policy's adapters also go beside it, to
+    ``lora_adapter/`` (PEFT's folder on ``base_model``: what vLLM serves and PEFT loads)."""
     def writer(folder: str, write: bool) -> None:
         config, err = {}, None
         if write:
@@ -106,7 +115,9 @@ def live_hf_writer(chunks, desc: ModelDesc):
                     config = json.load(f)
             except (OSError, ValueError) as e:   # raised after the walk: the other ranks' gathers must pair up
                 err = e
-        write_live_hf(chunks, desc, folder, config, write=write and err is None)
+        adapters = None if desc.value_head else os.path.join(os.path.dirname(folder), "lora_adapter")
+        write_live_hf(chunks, desc, folder, config, write=write and err is None, adapter_dir=adapters,
+                      base_model=base_model)
         if err is not None:
             raise err
 

@@ -49,7 +49,8 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
              **{name: obj.state_dict() for name, obj in algo_state.items()}}
     contents = {"actor": cfg.actor_rollout_ref.actor.checkpoint.save_contents,
                 "critic": cfg.critic.checkpoint.save_contents}
-    exports = {name: live_hf_writer(w.chunks, w.desc) for name, w in workers.items() if "hf_model" in contents[name]}
+    exports = {name: live_hf_writer(w.chunks, w.desc, base_model=hf[name]) for name, w in workers.items()
+               if "hf_model" in contents[name]}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
                            per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight),
                                            **({"critic_replay": replay.state_dict()} if replay is not None else {})},
