@@ -99,7 +99,11 @@ class _Loop:
 
                 return contextlib.nullcontext()
 
-        self.logger, self.timer = Logger(), Timer()
+        class Scorer:
+            def close(self):   # the reward workers (prime) stop with the run
+                outer.calls.append(("scorer_close",))
+
+        self.logger, self.timer, self.scorer = Logger(), Timer(), Scorer()
         self.val_data = [object()]
 
     def total_steps(self):
@@ -130,7 +134,8 @@ def test_val_only_validates_the_start_once_and_trains_nothing(step_no, monkeypat
     loop = _Loop(load_config(["trainer.val_only=true"], ["tiny_cpu"]), step_no)
     assert PPOTrainer.fit(loop) == []
     assert loop.calls == [("validate", step_no), ("log", step_no, {"val-core/x/reward/mean@1": 0.5,
-                                                                  "timing_s/testing": 1.0}), ("close",)]
+                                                                  "timing_s/testing": 1.0}), ("scorer_close",),
+                          ("close",)]
     loop = _Loop(load_config([], ["tiny_cpu"]), step_no)
     PPOTrainer.fit(loop, steps=2)
     assert [c[0] for c in loop.calls].count("step") == 2
