@@ -20,6 +20,22 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 SILENCE = 20
 
 
+def _until_published(phase: str, limit_s: float = 60.0) -> None:
+    """Wait until this rank's beat in the job's store names ``phase`` (its watchdog thread writes
+    it when the phase starts, when that thread gets the CPU)."""
+    from megappo import watchdog
+
+    w = watchdog._current
+    store = w.connect()
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        beat = store.get(f"{w.prefix}{w.rank}").decode() if store.check([f"{w.prefix}{w.rank}"]) else ""
+        if beat.split("|")[1:2] == [phase]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"phase {phase} not published in {limit_s:.0f} s")
+
+
 def _stop_in_update(rank, world, setup, run_dir, stop_rank, at_step):
     from test_resume import _run
 
@@ -31,8 +47,8 @@ def _stop_in_update(rank, world, setup, run_dir, stop_rank, at_step):
         def update_actor(*args, **kwargs):
             calls.append(1)
             if len(calls) == at_step:
-                time.sleep(1)   # mid-update: some of it done (and the phase published) before the stop
-                Path(run_dir, "stopped_at").write_text(str(time.time()))
+                _until_published("update_actor")   # the phase in the store before the stop (1 s was too
+                Path(run_dir, "stopped_at").write_text(str(time.time()))   # little under load)
                 os.kill(os.getpid(), signal.SIGSTOP)
             return original(*args, **kwargs)
         phases.update_actor = update_actor
