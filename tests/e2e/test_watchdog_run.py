@@ -22,18 +22,26 @@ SILENCE = 20
 
 def _until_published(phase: str, limit_s: float = 60.0) -> None:
     """Wait until this rank's beat in the job's store names ``phase`` (its watchdog thread writes
-    it when the phase starts, when that thread gets the CPU)."""
+    it when the phase starts, when that thread gets the CPU) and every other rank has read it: a
+    watcher's round sets its own beat, then reads; two new beats of each other rank mean a whole
+    round of its after ours was published."""
     from megappo import watchdog
 
     w = watchdog._current
     store = w.connect()
+
+    def beat(r):
+        key = f"{w.prefix}{r}"
+        return store.get(key).decode().split("|") if store.check([key]) else ["-1", ""]
+
     deadline = time.time() + limit_s
-    while time.time() < deadline:
-        beat = store.get(f"{w.prefix}{w.rank}").decode() if store.check([f"{w.prefix}{w.rank}"]) else ""
-        if beat.split("|")[1:2] == [phase]:
-            return
+    while beat(w.rank)[1] != phase:
+        assert time.time() < deadline, f"phase {phase} not published in {limit_s:.0f} s"
         time.sleep(0.1)
-    raise AssertionError(f"phase {phase} not published in {limit_s:.0f} s")
+    others = {r: int(beat(r)[0]) for r in range(w.world) if r != w.rank}
+    while any(int(beat(r)[0]) < n + 2 for r, n in others.items()):
+        assert time.time() < deadline, f"phase {phase} not read by the other ranks in {limit_s:.0f} s"
+        time.sleep(0.1)
 
 
 def _stop_in_update(rank, world, setup, run_dir, stop_rank, at_step):
@@ -47,8 +55,8 @@ def _stop_in_update(rank, world, setup, run_dir, stop_rank, at_step):
         def update_actor(*args, **kwargs):
             calls.append(1)
             if len(calls) == at_step:
-                _until_published("update_actor")   # the phase in the store before the stop (1 s was too
-                Path(run_dir, "stopped_at").write_text(str(time.time()))   # little under load)
+                _until_published("update_actor")   # the phase in the store, and read, before the stop
+                Path(run_dir, "stopped_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             return original(*args, **kwargs)
         phases.update_actor = update_actor
