@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from megappo import watchdog
-from megappo.config import MegatronConfig, OptimConfig, PPOConfig, RefMegatronConfig, critic_enabled
+from megappo.config import (CriticModelConfig, MegatronConfig, ModelConfig, OptimConfig, PPOConfig, RefMegatronConfig,
+                            critic_enabled)
 
 
 # vLLM's start (weights, compilation, CUDA graphs) may hold the interpreter for minutes
@@ -29,6 +30,15 @@ def import_external_lib(cfg: PPOConfig) -> None:
         except Exception as e:
             raise ImportError(f"actor_rollout_ref.model.external_lib: importing {name!r} failed: "
                               f"{type(e).__name__}: {e}") from e
+
+
+def model_folder(model: ModelConfig | CriticModelConfig) -> str:
+    """The HF folder a role's model section reads: its path, or with override_config.model_config
+    the process's merged folder (megappo.models.overrides), so that the megatron build, vLLM and
+    each checkpoint's huggingface/ see the same config.json."""
+    from megappo.models import overridden_folder
+
+    return overridden_folder(os.path.expanduser(model.path), model.override_config.model_config)
 
 
 def load_tokenizer(cfg: PPOConfig):
@@ -55,7 +65,7 @@ def build_engine(cfg: PPOConfig):
     vllm_engine_kwargs(ro.engine_kwargs.vllm, d.max_prompt_length + d.max_response_length)   # named, before the start
     try:
         return engines[ro.name](
-            os.path.expanduser(arr.model.path), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
+            model_folder(arr.model), device=tr.device, tensor_parallel_size=ro.tensor_model_parallel_size,
             dtype="float32" if tr.device == "cpu" else ro.dtype, max_model_len=d.max_prompt_length + d.max_response_length,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             gpu_memory_utilization=ro.gpu_memory_utilization,
@@ -78,7 +88,7 @@ def engine_lora_rank(cfg: PPOConfig) -> int:
     if spec is None or spec.rank > VLLM_MAX_LORA_RANK:
         return 0
     m = cfg.actor_rollout_ref.model
-    return 0 if getattr(load_hf_config(m.path, m.trust_remote_code), "num_experts", 0) else spec.rank
+    return 0 if getattr(load_hf_config(model_folder(m), m.trust_remote_code), "num_experts", 0) else spec.rank
 
 
 def enforce_eager(cfg: PPOConfig) -> bool:
@@ -235,7 +245,7 @@ def build_actor(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps: 
     from megappo.models import lora_spec_from_config
 
     arr = cfg.actor_rollout_ref
-    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.actor.megatron, value_head=False, device=device,
+    info, tcfg, chunks = build_model(cfg, model_folder(arr.model), arr.actor.megatron, value_head=False, device=device,
                                      trust_remote_code=arr.model.trust_remote_code,
                                      checkpointing=arr.model.enable_gradient_checkpointing,
                                      section="actor_rollout_ref.actor.megatron",
@@ -260,7 +270,7 @@ def build_reference(cfg: PPOConfig, device: torch.device, pad_id: int, actor=Non
         return None
     if actor is not None and has_lora(actor.chunks):
         return AdaptersOff(actor)
-    info, tcfg, chunks = build_model(cfg, arr.model.path, arr.ref.megatron, value_head=False, device=device,
+    info, tcfg, chunks = build_model(cfg, model_folder(arr.model), arr.ref.megatron, value_head=False, device=device,
                                      trust_remote_code=arr.model.trust_remote_code,
                                      section="actor_rollout_ref.ref.megatron")
     ref = Actor(chunks, tcfg, device=device, vocab_size=info.desc.vocab_size, pad_token_id=pad_id)
@@ -279,7 +289,7 @@ def build_critic(cfg: PPOConfig, device: torch.device, pad_id: int, total_steps:
     from megappo.models import lora_spec_from_config
 
     c = cfg.critic
-    info, tcfg, chunks = build_model(cfg, c.model.path, c.megatron, value_head=True, device=device,
+    info, tcfg, chunks = build_model(cfg, model_folder(c.model), c.megatron, value_head=True, device=device,
                                   trust_remote_code=c.model.trust_remote_code,
                                   checkpointing=c.model.enable_gradient_checkpointing, section="critic.megatron",
                                   lora=lora_spec_from_config(c.model))

@@ -1,4 +1,5 @@
 """Config tree: verl defaults, typed overrides, YAML presets, ${} references, validation rules."""
+import json
 import os
 import re
 import sys
@@ -700,6 +701,21 @@ RULES = [
      "model directory not found: {tmp}/nomodel"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/ckpt"], PATHS, "actor_rollout_ref.model.path",
      "{tmp}/ckpt has no config.json (expected a HuggingFace model folder)"),
+    # -- override_config.model_config: shapes kept, what transformers reads, a context vLLM takes
+    (["actor_rollout_ref.model.override_config.model_config.num_hidden_layers=2"], {},
+     "actor_rollout_ref.model.override_config.model_config", "num_hidden_layers: changes the shapes of the model's weights"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/qwen", "critic.model.override_config.model_config.rope_scaling="
+                   "{{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 4096}}"], PATHS,
+     "critic.model.override_config.model_config", "RoPE type 'yarn' is not supported; supported: default, linear, llama3"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/qwen", "data.max_response_length=1000",
+                   "actor_rollout_ref.model.override_config.model_config.max_position_embeddings=1000"], PATHS,
+     "actor_rollout_ref.model.override_config.model_config.max_position_embeddings",
+     "the model's max_position_embeddings (1000) is shorter than data.max_prompt_length + data.max_response_length (1064)"
+     ": vLLM refuses that context; raise it or shorten"),
+    (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/qwen", "data.max_response_length=600"], PATHS,
+     "actor_rollout_ref.model.path", "max_position_embeddings (512) is shorter than data.max_prompt_length + "
+     "data.max_response_length (664): vLLM refuses that context; set "
+     "actor_rollout_ref.model.override_config.model_config.max_position_embeddings"),
     (GOOD_PATHS + ["custom_reward_function.path={tmp}/nope.py"], PATHS, "custom_reward_function.path",
      "file not found: {tmp}/nope.py"),
     (GOOD_PATHS + ["trainer.logger=[console,mlflow]"], dict(PATHS, installed=lambda name: name != "mlflow"),
@@ -711,6 +727,11 @@ RULES = [
 ]
 
 
+QWEN = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+        "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
 @pytest.fixture(scope="module")
 def path_tree(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("paths")
@@ -720,6 +741,8 @@ def path_tree(tmp_path_factory):
     (tmp / "model" / "config.json").write_text("{}")
     (tmp / "moe3").mkdir()   # a Mixture-of-Experts model whose 3 experts EP2 cannot divide
     (tmp / "moe3" / "config.json").write_text('{"num_experts": 3}')
+    (tmp / "qwen").mkdir()   # a model transformers reads: 512 positions
+    (tmp / "qwen" / "config.json").write_text(json.dumps(QWEN))
     (tmp / "ckpt").mkdir()
     (tmp / "tools_bad.yaml").write_text("tools:\n  - class_name: Calc\n")
     return str(tmp)

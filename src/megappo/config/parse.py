@@ -242,6 +242,11 @@ def _set(cfg: PPOConfig, path: str, value: Any, from_text: bool) -> None:
         mapping[keys[-1]] = _plain(value, "value")
         return
     if _is_section(tp):
+        if from_text and isinstance(value, str) and value.strip().startswith("{"):   # a YAML mapping: its entries
+            try:
+                value = yaml_load(value)
+            except yaml.YAMLError:
+                pass
         if isinstance(value, dict):
             apply_mapping(cfg, value, prefix=path + ".")
             return
@@ -582,7 +587,8 @@ def source_of(sources: dict, path: str) -> str:
     for i in range(len(parts), 0, -1):
         if ".".join(parts[:i]) in sources:
             return sources[".".join(parts[:i])]
-    return "the defaults"
+    entries = [k for k in sources if k.startswith(path + ".")]   # a mapping set entry by entry
+    return sources[entries[0]] if entries else "the defaults"
 
 
 def to_dict(cfg: Any) -> dict:

@@ -67,6 +67,11 @@ class DataConfig:
 
 
 @dataclass
+class ModelOverrideConfig:
+    model_config: dict = _f({}, "config.json entries set over the model folder's (verl's key), e.g. {max_position_embeddings: 10240} or rope_scaling.factor; a mapping merges into a mapping entry. Unlike verl, vLLM, the trained model and each checkpoint's huggingface/config.json all see them (one merged folder). Entries that change the weights' shapes (hidden_size, num_hidden_layers, vocab_size, ...) are refused, as is one transformers does not read.")
+
+
+@dataclass
 class ModelConfig:
     path: str = _f("~/models/Qwen3-8B", "HuggingFace model directory (config.json, tokenizer, safetensors) or hub id org/name[@revision], downloaded into the HF cache (docs/models.md, Hub ids).")
     use_remove_padding: bool = _f(False, "Sequence packing: each micro-batch's sequences end to end in one row (THD), no compute on padding. TransformerEngine's attention on GPU, megappo's on the local spec (CPU); where the local spec keeps megatron's DotProductAttention (sliding windows, attention sinks, dropout), micro-batches stay padded and a message says so. With context parallelism each CP rank holds two chunks of every sequence.")
@@ -79,6 +84,7 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "Let transformers and vLLM run the model folder's own code for its config.json (verl's key). megappo builds the model itself from the config, so only architectures it knows train (docs/models.md).")
     custom_chat_template: Optional[str] = _f(None, "A Jinja chat template used instead of the tokenizer's (verl's key): prompts, multi-turn turns and the reward model's tokenizer all render with it.")
     external_lib: Optional[str] = _f(None, "A Python module imported before anything is built (verl's key), e.g. one that registers a model or tokenizer class with transformers.")
+    override_config: ModelOverrideConfig = _sub(ModelOverrideConfig, "The actor's (and reference's and rollout's) config.json entries (verl's key).")
 
 
 @dataclass
@@ -295,6 +301,7 @@ class CriticModelConfig:
     lora_alpha: float = _f(16, "As actor_rollout_ref.model.lora_alpha, for the critic.")
     target_modules: list[str] = _f(["all-linear"], "As actor_rollout_ref.model.target_modules, for the critic.")
     trust_remote_code: bool = _f(Ref("actor_rollout_ref.model.trust_remote_code"), "As actor_rollout_ref.model.trust_remote_code, for the critic's config.json.")
+    override_config: ModelOverrideConfig = _sub(ModelOverrideConfig, "As actor_rollout_ref.model.override_config, for the critic's config.json (its own: the actor's entries do not apply).")
 
 
 @dataclass

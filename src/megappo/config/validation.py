@@ -78,6 +78,7 @@ def validate(
     _start_checkpoints(cfg, need, W)
     _checkpoint_contents(cfg, need)
     _lora(cfg, need)
+    _model_overrides(cfg, need)
     if check_paths:
         _paths(cfg, need, installed)
     if E:
@@ -615,6 +616,56 @@ def _check_lora_adapter(cfg: PPOConfig, need: Need) -> None:
         need(False, "actor_rollout_ref.model.lora_adapter_path", str(e))
 
 
+def _override_roles(cfg: PPOConfig) -> list[str]:
+    """The model sections whose override_config.model_config is read (the critic's when built)."""
+    return ["actor_rollout_ref.model"] + (["critic.model"] if critic_enabled(cfg) else [])
+
+
+def _model_overrides(cfg: PPOConfig, need: Need) -> None:
+    """override_config.model_config: config.json entries that keep the weights' shapes."""
+    from megappo.models import override_problems
+
+    for sect in _override_roles(cfg):
+        problems = override_problems(get(cfg, sect).override_config.model_config)
+        need(not problems, sect + ".override_config.model_config", "; ".join(problems))
+
+
+def _check_overrides(cfg: PPOConfig, need: Need) -> None:
+    """A real start: each role's merged config.json read by transformers, every entry taking
+    effect and the model one megappo builds; the rollout's context within the actor's positions
+    (vLLM refuses a max_model_len past max_position_embeddings without RoPE scaling)."""
+    import json
+
+    from megappo.models import ModelConfigError, check_overrides, overridden_folder
+
+    for sect in _override_roles(cfg):
+        m = get(cfg, sect)
+        local = Path(os.path.expanduser(m.path))
+        if not (local / "config.json").is_file() or not m.override_config.model_config:
+            continue
+        try:
+            check_overrides(str(local), m.override_config.model_config, m.trust_remote_code)
+        except (ModelConfigError, ValueError, OSError) as e:
+            need(False, sect + ".override_config.model_config", str(e))
+    m = cfg.actor_rollout_ref.model
+    try:
+        raw = json.loads(Path(overridden_folder(os.path.expanduser(m.path), m.override_config.model_config),
+                              "config.json").read_text())
+    except (OSError, ValueError, ModelConfigError):
+        return   # no folder here: its own rule names it
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    positions, needed = raw.get("max_position_embeddings"), cfg.data.max_prompt_length + cfg.data.max_response_length
+    if isinstance(positions, int) and rope.get("rope_type", rope.get("type", "default")) == "default":
+        overridden = "max_position_embeddings" in m.override_config.model_config
+        need(positions >= needed, "actor_rollout_ref.model." + ("override_config.model_config.max_position_embeddings"
+                                                              if overridden else "path"),
+             f"the model's max_position_embeddings ({positions}) is shorter than data.max_prompt_length + "
+             f"data.max_response_length ({needed}): vLLM refuses that context; "
+             + ("raise it" if overridden else "set actor_rollout_ref.model.override_config.model_config."
+                                            "max_position_embeddings (as verl's long-response recipes do)")
+             + " or shorten the prompts or responses")
+
+
 def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None:
     """A real start: files, model folders and the packages the chosen loggers need exist."""
     tr = cfg.trainer
@@ -623,6 +674,7 @@ def _paths(cfg: PPOConfig, need: Need, installed: Callable[[str], bool]) -> None
             need(Path(os.path.expanduser(f)).is_file(), key, f"file not found: {f}")
     _check_model_path(cfg, "actor_rollout_ref.model.path", need)
     _check_lora_adapter(cfg, need)
+    _check_overrides(cfg, need)
     if critic_enabled(cfg) and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         _check_model_path(cfg, "critic.model.path", need)
     if cfg.reward_model.enable and cfg.reward_model.model.path:
@@ -719,5 +771,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _checkpoint_contents, _lora, _paths, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _checkpoint_contents, _lora, _model_overrides, _paths, _check_overrides, _check_model_path,
                   _check_experts)

@@ -118,7 +118,7 @@ RULES: list[tuple[str, Rule]] = [
                                       "chunked already (docs/memory.md)")),
     ("actor_rollout_ref.actor.use_remove_padding", lambda v: None),   # verl's copy of model.use_remove_padding
     ("*.model.use_fused_kernels", _when(_truthy, "warn", "has no effect: megappo computes log-probs and entropy with its own vocab-parallel kernel")),
-    ("*.model.override_config", _when(lambda v: v not in (None, {}), "error", "is not supported: edit config.json in a copy of the model folder instead")),
+    ("reward_model.model.override_config", _when(lambda v: v not in (None, {}), "error", "is not supported for the reward model: edit config.json in a copy of its folder (the policy's and the critic's are <section>.model.override_config.model_config)")),
     ("*.optim.override_optimizer_config", _when(lambda v: v not in (None, {}), "error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired")),
     ("*.model.enable_activation_offload", _when(_truthy, "error", "is not supported: megappo offloads parameters, gradients and optimizer state between phases (<role>.megatron.*_offload) and recomputes activations (<role>.megatron.override_transformer_config.recompute_*)")),
     ("*.model.tiled_mlp.enabled", _when(_truthy, "error", "is not supported: megappo recomputes activations instead (<role>.megatron.override_transformer_config.recompute_*)")),
@@ -195,7 +195,7 @@ RULES: list[tuple[str, Rule]] = [
     ("*.megatron.override_transformer_config.deallocate_pipeline_outputs", _when(_truthy, "warn", "has no effect: megappo keeps megatron's default (a stage's output stays allocated until its backward pass: the in-flight micro-batches' activations of one layer width)")),
     ("*.megatron.override_transformer_config.*", _always("error", "is not supported: megappo derives megatron's TransformerConfig from the HF config.json (MoE dispatch included); of its keys only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff, moe_router_load_balancing_type, moe_z_loss_coeff and moe_router_dtype are settings")),
     ("*.optim.override_optimizer_config.*", _always("error", "is not supported: megatron's optimizer CPU offload and precision-aware optimizer are not wired; megappo keeps an idle role's optimizer state in host memory with <section>.megatron.optimizer_offload=true")),
-    ("actor_rollout_ref.model.override_config.*", _always("error", "is not supported: edit config.json in a copy of the model folder instead")),
+    ("*.model.override_config.moe_config.freeze_moe_router", _when(_truthy, "error", "is not supported: megappo trains a Mixture-of-Experts model's router with its experts")),
     # verl's multi-turn keys megappo has no setting for: verl's default value is what megappo does
     ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", _when(_truthy, "error", "is not supported: megappo's multi-turn samples continue from the token ids the model produced (verl's false); re-rendering earlier turns with the chat template would change the trained tokens")),
     ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", lambda v: None if v in ("strict", "ignore_strippable", "disable") else ("error", "must be strict, ignore_strippable or disable")),

@@ -36,21 +36,23 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
     """``global_step_<step>`` under ``trainer.default_local_dir``, published atomically.
     ``algo_state``: name -> object with state_dict() (the KL controller, group_cv's running sums);
     ``replay``: this rank's :class:`~megappo.trainer.replay.CriticReplay` (saved per rank)."""
+    from megappo.builders import model_folder
     from megappo.checkpoint import save_checkpoint
     from megappo.config import resumable_checkpoints
     from megappo.convert import live_hf_writer
 
     tr = cfg.trainer
     keep = tr.max_actor_ckpt_to_keep or tr.max_critic_ckpt_to_keep  # equal when both set (validate)
-    hf = {"actor": os.path.expanduser(cfg.actor_rollout_ref.model.path)}
+    hf = {"actor": model_folder(cfg.actor_rollout_ref.model)}   # config.json with override_config's entries
     if "critic" in workers:
-        hf["critic"] = os.path.expanduser(cfg.critic.model.path)
+        hf["critic"] = model_folder(cfg.critic.model)
     state = {"data": sampler.state_dict(), "world_size": world, "layout": dataclasses.asdict(layout),
              **{name: obj.state_dict() for name, obj in algo_state.items()}}
     contents = {"actor": cfg.actor_rollout_ref.actor.checkpoint.save_contents,
                 "critic": cfg.critic.checkpoint.save_contents}
-    exports = {name: live_hf_writer(w.chunks, w.desc, base_model=hf[name]) for name, w in workers.items()
-               if "hf_model" in contents[name]}
+    bases = {"actor": cfg.actor_rollout_ref.model.path, "critic": cfg.critic.model.path}   # a LoRA adapter's base
+    exports = {name: live_hf_writer(w.chunks, w.desc, base_model=os.path.expanduser(bases[name]))
+               for name, w in workers.items() if "hf_model" in contents[name]}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
                            per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight),
                                            **({"critic_replay": replay.state_dict()} if replay is not None else {})},
