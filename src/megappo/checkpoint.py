@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "save_worker", "load_worker", "verify_checkpoint",
            "load_start_weights", "read_rank_state", "CheckpointError", "TRUST_PICKLES",
-           "end_writer_process", "in_process_write_results", "read_lora_file", "LORA_FILE"]
+           "end_writer_process", "in_process_write_results", "read_lora_file", "LORA_FILE", "is_resumable"]
 
 # Resuming a checkpoint whose per-rank state holds pickled Python objects (what megappo wrote
 # before it saved plain tensors) needs this set to 1 once: such a file can run code on load.
@@ -729,7 +729,8 @@ def _stage(fn, what: str, tmp: str) -> None:
         raise
 
 
-def _is_resumable(folder: str) -> bool:
+def is_resumable(folder: str) -> bool:
+    """A checkpoint to resume (trainer_state.json written last), not an export of HF weights only."""
     return os.path.isfile(os.path.join(folder, "trainer_state.json"))
 
 
@@ -742,7 +743,7 @@ def _prune(root: str, keep: int, resumable: bool) -> None:
         latest = None
     steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root)
                    if d.startswith("global_step_") and d.split("_")[-1].isdigit()
-                   and _is_resumable(os.path.join(root, d)) == resumable)
+                   and is_resumable(os.path.join(root, d)) == resumable)
     for old in steps[:-keep]:
         if old != latest:
             shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
@@ -768,7 +769,7 @@ def _publish(root: str, tmp: str, final: str, step: int, point_latest: bool = Tr
     older folder of the same step is moved aside first and deleted last, so at every instant
     ``latest`` names a complete checkpoint."""
     old = None
-    if not point_latest and _is_resumable(final):
+    if not point_latest and is_resumable(final):
         raise CheckpointError(f"{final} holds a resumable checkpoint: an HF export of the same step does not replace it")
     if os.path.exists(final):
         old = os.path.join(root, f".old_global_step_{step}")

@@ -64,7 +64,7 @@ def check_run_dir(cfg) -> None:
     state it needs is refused, and so is a start over (resume_mode=auto finding no 'latest') in a
     folder holding HF exports it would overwrite, or a run of exports (resume_mode=disable) in a
     folder of checkpoints its exports may not replace."""
-    from megappo.checkpoint import CheckpointError, latest_step
+    from megappo.checkpoint import CheckpointError, is_resumable, latest_step
     from megappo.config import critic_enabled, resumable_checkpoints
 
     tr = cfg.trainer
@@ -84,7 +84,7 @@ def check_run_dir(cfg) -> None:
         return
     saves = sorted((d for d in os.listdir(root) if d.startswith("global_step_") and d.rsplit("_", 1)[-1].isdigit()),
                    key=lambda d: int(d.rsplit("_", 1)[-1]))
-    exports = [d for d in saves if not os.path.isfile(os.path.join(root, d, "trainer_state.json"))]
+    exports = [d for d in saves if not is_resumable(os.path.join(root, d))]
     kept = [d for d in saves if d not in exports]
     if tr.resume_mode == "auto" and exports:
         raise CheckpointError(
