@@ -110,7 +110,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     starting from ``lora_adapter_path``'s PEFT adapter when given; a critic's value head trains.
     Returns (HFModelInfo, TransformerConfig, model chunks)."""
     from megappo.convert import load_hf_weights
-    from megappo.layout import RankCoords
+    from megappo.layout import RankCoords, pipeline_split
     from megappo.models import build_model as build_chunks
     from megappo.models import describe, load_hf_config, transformer_config
 
@@ -122,7 +122,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
                               params_dtype=torch.float32 if cfg.trainer.device == "cpu" else torch.bfloat16,
                               cpu=device.type == "cpu", recompute=recompute_settings(mc, checkpointing),
                               ep=mc.expert_model_parallel_size if moe else 1, etp=mc.expert_tensor_parallel_size or 1,
-                              moe=moe_options(cfg, mc), cp=mc.context_parallel_size)
+                              moe=moe_options(cfg, mc), cp=mc.context_parallel_size, split=pipeline_split(cfg, mc))
     # the reference has no seed of its own: all its weights are loaded
     seed = cfg.actor_rollout_ref.actor.megatron.seed if isinstance(mc, RefMegatronConfig) else mc.seed
     chunks = build_chunks(info, tcfg, value_head=value_head, seed=seed,
@@ -130,7 +130,7 @@ def build_model(cfg: PPOConfig, model_path: str, mc: MegatronConfig | RefMegatro
     if section is not None and mc.use_dist_checkpointing:
         start_from_checkpoint(chunks, mc, value_head=value_head, section=section)
     else:
-        load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
+        load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron(tcfg))
     if lora is not None:
         add_adapters(chunks, info.desc, lora, seed, lora_adapter_path, value_head)
     return info, tcfg, chunks

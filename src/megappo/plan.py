@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from megappo import hub
+from megappo.layout import PipelineSplit, pipeline_split, split_problems, stage_layers
 from megappo.models import padded_vocab_size  # megatron's padding (128 x TP), as the models are built
 
 GiB = 2**30
@@ -170,18 +171,31 @@ def lora_layer_params(m: ModelShape, rank: int, modules, tp: int) -> int:
     return n
 
 
-def stage_expert_params(m: ModelShape, pp: int, ep: int) -> int:
+def stage_layer_count(m: ModelShape, pp: int, stage: int, vpp: Optional[int] = None, split=None) -> int:
+    """Decoder layers pipeline stage ``stage`` holds over its virtual chunks (megappo.layout's
+    placement: an uneven ``split`` gives the first/last stage their own counts)."""
+    if split is None:
+        return m.layers // pp
+    return sum(n for (r, _), (_, n) in stage_layers(m.layers, pp, vpp, split).items() if r == stage)
+
+
+def stage_expert_params(m: ModelShape, pp: int, ep: int, layers: Optional[int] = None) -> int:
     """Expert parameters one rank of a stage holds: its E / EP experts of each layer, whole
-    (megappo's expert-TP is 1: TP does not divide them)."""
-    return m.layers // pp * (m.experts // ep) * 3 * m.hidden * m.moe_ffn if m.experts else 0
+    (megappo's expert-TP is 1: TP does not divide them). ``layers``: the stage's (default: an
+    even share)."""
+    layers = m.layers // pp if layers is None else layers
+    return layers * (m.experts // ep) * 3 * m.hidden * m.moe_ffn if m.experts else 0
 
 
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool = False, ep: int = 1) -> int:
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int, value_head: bool = False, ep: int = 1,
+                 layers: Optional[int] = None) -> int:
     """Parameters one rank of pipeline stage ``stage`` holds (all its virtual chunks together),
     its experts included (``ep``: expert-parallel size). First stage: the embedding; last stage:
     the final norm and the output layer (a (1, h) value head with a bias for the critic; with tied
-    embeddings and PP > 1 megatron keeps a copy of the embedding there)."""
-    n = m.layers // pp * _layer_params(m, tp) + stage_expert_params(m, pp, ep)
+    embeddings and PP > 1 megatron keeps a copy of the embedding there). ``layers``: the stage's
+    decoder layers (default: an even share; :func:`stage_layer_count` for an uneven split)."""
+    layers = m.layers // pp if layers is None else layers
+    n = layers * _layer_params(m, tp) + stage_expert_params(m, pp, ep, layers)
     vp = padded_vocab_size(m.vocab, tp)
     if stage == 0:
         n += vp * m.hidden // tp
@@ -229,6 +243,7 @@ class PlanOptions:
     vpp: Optional[int] = None
     dp: int = 1
     cp: int = 1                          # context parallelism (the roles' token counts are per GPU already)
+    split: Optional[PipelineSplit] = None   # an uneven pipeline split of the layers (megappo.layout)
     ep: int = 1                          # expert parallelism (MoE): experts over EP of a stage's TP x DP ranks
     sequence_parallel: bool = True
     param_bytes: int = 2                 # bf16
@@ -306,21 +321,23 @@ def _state_bytes(n: int, o: PlanOptions, r: RoleOptions, active: bool, training:
     return out
 
 
-def stage_lora_params(m: ModelShape, o: PlanOptions, r: RoleOptions) -> int:
-    """Adapter parameters one rank of a pipeline stage holds: its layers' adapters (every stage
-    has layers / PP of them; the embedding and output layer get none)."""
-    return m.layers // o.pp * lora_layer_params(m, r.lora_rank, r.lora_modules, o.tp) if r.lora else 0
+def stage_lora_params(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int = 0) -> int:
+    """Adapter parameters one rank of pipeline stage ``stage`` holds: its layers' adapters (the
+    embedding and output layer get none)."""
+    layers = stage_layer_count(m, o.pp, stage, o.vpp, o.split)
+    return layers * lora_layer_params(m, r.lora_rank, r.lora_modules, o.tp) if r.lora else 0
 
 
 def role_params(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, value_head: bool = False) -> tuple[int, int, int, int]:
     """(weights, of which experts, trained, of which experts) of a role on one rank of a stage.
     Full fine-tuning trains every weight. LoRA keeps the frozen base and trains the adapters
     (and a critic's value head, which is new to the model: it cannot be frozen)."""
-    base = stage_params(m, o.tp, o.pp, stage, value_head=value_head, ep=o.ep)
-    experts = stage_expert_params(m, o.pp, o.ep)
+    layers = stage_layer_count(m, o.pp, stage, o.vpp, o.split)
+    base = stage_params(m, o.tp, o.pp, stage, value_head=value_head, ep=o.ep, layers=layers)
+    experts = stage_expert_params(m, o.pp, o.ep, layers)
     if not r.lora:
         return base, experts, base, experts
-    adapters = stage_lora_params(m, o, r)
+    adapters = stage_lora_params(m, o, r, stage)
     head = m.hidden + 1 if value_head and stage == o.pp - 1 else 0
     return base + adapters, experts, adapters + head, 0
 
@@ -427,7 +444,7 @@ def _in_flight(o: PlanOptions, stage: int) -> float:
 def _kept(m: ModelShape, o: PlanOptions, r: RoleOptions, stage: int, tokens: int) -> int:
     """Activations a stage keeps across its layers during an update: every in-flight
     micro-batch's saved layers, or with full recomputation only each recomputed block's input."""
-    layers = m.layers // o.pp
+    layers = stage_layer_count(m, o.pp, stage, o.vpp, o.split)
     if r.recompute == "full":
         sh = _widths(m, o)[0]
         return int(o.param_bytes * m.hidden / sh * tokens * -(-layers // max(1, r.recompute_num_layers))
@@ -599,7 +616,7 @@ def options_from_config(cfg, gpu_memory_gb: Optional[float] = None) -> PlanOptio
         gpu = device_memory_gb() or 80.0
     return PlanOptions(
         tp=lay.tp, pp=lay.pp, vpp=lay.vpp, dp=max(1, lay.dp), cp=lay.cp, ep=m.expert_model_parallel_size,
-        sequence_parallel=m.sequence_parallel,
+        split=pipeline_split(cfg), sequence_parallel=m.sequence_parallel,
         param_bytes=4 if cfg.trainer.device == "cpu" else 2, gpu_memory_gb=float(gpu),
         # a GPU run is planned with TransformerEngine's layers (megappo uses them wherever TE
         # imports); the CPU path runs the local spec
@@ -674,7 +691,9 @@ def render(p: Plan) -> str:
              f"{o.gpu_memory_gb:g} GiB per GPU ({RESERVE_GB:g} GiB reserved), vLLM {o.vllm_fraction:g}"]
     lines += lora_lines(p)
     for s in p.table:
-        lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s, ep=o.ep) / 1e9:.2f}B actor parameters per GPU):")
+        layers = stage_layer_count(m, o.pp, s, o.vpp, o.split)
+        lines.append(f"  pipeline stage {s} ({stage_params(m, o.tp, o.pp, s, ep=o.ep, layers=layers) / 1e9:.2f}B actor "
+                     f"parameters per GPU{f', {layers} layers' if o.split else ''}):")
         for phase, row in p.table[s].items():
             parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in row.items() if v)
             lines.append(f"    {phase:<14} {p.total(s, phase) / GiB:7.1f} GiB  ({parts})")
@@ -691,7 +710,7 @@ def lora_lines(p: Plan) -> list[str]:
     lines = []
     for name, r in (("actor", o.actor), ("critic", o.critic)):
         if r.present and r.lora:
-            n = stage_lora_params(m, o, r)
+            n = max(stage_lora_params(m, o, r, st) for st in range(o.pp))
             rank = f"r={r.lora_rank}" if r.lora_rank else "r unknown (lora_adapter_path not there yet)"
             lines.append(f"  LoRA {rank} on {len(r.lora_modules)} modules ({', '.join(r.lora_modules)}) of the {name}: "
                          f"{n / 1e6:.1f}M adapter parameters per GPU trained, its base frozen (no gradients, "
@@ -798,9 +817,7 @@ def layout_problems(m: ModelShape, o: PlanOptions) -> list[str]:
     problems = [f"{what} ({n}) is not divisible by tensor_model_parallel_size ({o.tp})"
                 for what, n in (("num_attention_heads", m.heads), ("num_key_value_heads", m.groups),
                                 ("intermediate_size", m.ffn)) if n % o.tp]
-    if m.layers % (o.pp * (o.vpp or 1)):
-        problems.append(f"num_hidden_layers ({m.layers}) is not divisible by pipeline_model_parallel_size x "
-                        f"virtual stages ({o.pp} x {o.vpp or 1})")
+    problems += split_problems(m.layers, o.pp, o.vpp, o.split)
     if m.experts and m.experts % o.ep:
         problems.append(f"num_experts ({m.experts}) is not divisible by expert_model_parallel_size ({o.ep})")
     return problems

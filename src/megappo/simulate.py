@@ -299,7 +299,8 @@ def _build_role(hf: dict, o, r, value_head: bool, mem: LiveBytes) -> tuple[_Role
     moe = info.desc.num_experts > 0
     cfg = transformer_config(info, tp=o.tp, pp=o.pp, vpp=o.vpp, sequence_parallel=o.sequence_parallel,
                              params_dtype=torch.bfloat16 if o.param_bytes == 2 else torch.float32, cpu=True,
-                             recompute=_recompute(r) if r.trains else None, ep=o.ep if moe else 1, cp=o.cp)
+                             recompute=_recompute(r) if r.trains else None, ep=o.ep if moe else 1, cp=o.cp,
+                             split=o.split)
     cfg.variable_seq_lengths = False
     out = RoleBytes()
     before = mem.current

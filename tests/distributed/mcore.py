@@ -13,7 +13,7 @@ def setup(tp, pp, vpp=None, seed=7, cp=1, ep=None):
     initialize_parallel(tp, pp, vpp, seed=seed, cp=cp, ep=ep)
 
 
-def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_head_std=None, cp=1, ep=1):
+def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_head_std=None, cp=1, ep=1, split=None):
     """A critic gets a random head (std 1/sqrt(hidden + 1) unless given) so that tests of its
     alignment and gradients see non-zero values; the trainer's default head starts at zero."""
     from megappo.convert import load_hf_weights
@@ -21,11 +21,11 @@ def build(path, tp, pp, vpp=None, value_head=False, sp=True, cpu=True, value_hea
     from megappo.models import build_model, describe, load_hf_config, transformer_config
 
     info = describe(load_hf_config(path), tp=tp, value_head=value_head)
-    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=cpu, cp=cp, ep=ep)
+    cfg = transformer_config(info, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, cpu=cpu, cp=cp, ep=ep, split=split)
     if value_head_std is None:
         value_head_std = (info.desc.hidden_size + 1) ** -0.5
     chunks = build_model(info, cfg, value_head=value_head, value_head_std=value_head_std)
-    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron())
+    load_hf_weights(chunks, path, info.desc, RankCoords.from_megatron(cfg))
     return info, cfg, chunks
 
 

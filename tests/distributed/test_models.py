@@ -16,6 +16,7 @@ sys.path.insert(0, TESTS)
 from tiny_models import VOCAB, save_tiny_model  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2", "llama")
+DEEPER = (("qwen3", 6), ("qwen2", 6), ("qwen2", 5))
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,8 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     for i, arch in enumerate(ARCHS):
         save_tiny_model(arch, root / arch, seed=i)
+    for arch, layers in DEEPER:   # for uneven pipelines that 4 layers cannot show
+        save_tiny_model(arch, root / f"{arch}_{layers}l", seed=layers, num_hidden_layers=layers)
     return str(root)
 
 
@@ -31,7 +34,7 @@ def _batches(dp_rank, n_micro=2, mbs=2):
     return [torch.randint(0, VOCAB, (mbs, SEQ), generator=g) for _ in range(n_micro)]
 
 
-def _logprob_worker(rank, world, tp, pp, vpp, dirs):
+def _logprob_worker(rank, world, tp, pp, vpp, dirs, split=None, archs=ARCHS):
     setup(tp, pp, vpp)
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
@@ -39,9 +42,11 @@ def _logprob_worker(rank, world, tp, pp, vpp, dirs):
     from megappo.distributed import log_probs_from_logits
 
     tp_group = ps.get_tensor_model_parallel_group()
-    for arch in ARCHS:
+    for arch in archs:
         path = os.path.join(dirs, arch)
-        info, cfg, chunks = build(path, tp, pp, vpp)
+        info, cfg, chunks = build(path, tp, pp, vpp, split=split)
+        if split is not None:
+            _check_uneven(chunks, info, cfg, path, arch, split)
         batches = _batches(ps.get_data_parallel_rank())
 
         def loss(output, ids):
@@ -56,10 +61,40 @@ def _logprob_worker(rank, world, tp, pp, vpp, dirs):
                 with torch.no_grad():
                     ref = torch.log_softmax(hf(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
                 diff = (got["lp"] - ref).abs().max().item()
-                assert diff < 1e-5, f"{arch} TP{tp}PP{pp}VPP{vpp}: max log-prob diff {diff}"
+                assert diff < 1e-5, f"{arch} TP{tp}PP{pp}VPP{vpp} {split}: max log-prob diff {diff}"
+
+
+def _check_uneven(chunks, info, cfg, path, arch, split):
+    """An uneven pipeline: each chunk holds the layers megappo.layout places there (megatron's
+    layer numbers say which), and the weights come back out bit for bit under their HF names."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from megappo.convert import iter_hf_tensors
+    from megappo.layout import RankCoords, stage_layers
+
+    table = stage_layers(info.desc.num_layers, cfg.pipeline_model_parallel_size,
+                         cfg.virtual_pipeline_model_parallel_size, split)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    for vp, chunk in enumerate(chunks):
+        first, count = table[(pp_rank, vp)]
+        got = [layer.layer_number - 1 for layer in chunk.decoder.layers]   # megatron's global numbers
+        assert got == list(range(first, first + count)), (arch, split, pp_rank, vp, got, (first, count))
+    original = load_file(os.path.join(path, "model.safetensors"))
+    seen = {}
+    for name, t in iter_hf_tensors(chunks, info.desc, RankCoords.from_megatron(cfg)):
+        assert torch.equal(t, original[name]), f"{arch} {split}: {name} differs"
+        seen[name] = t
+    assert set(seen) == set(original) - ({"lm_head.weight"} if info.desc.tie_word_embeddings else set()), arch
 
 
 LAYOUTS = [(1, 1, 1, None), (2, 2, 1, None), (2, 1, 2, None), (4, 2, 2, None), (2, 1, 1, None), (2, 1, 2, 2)]
+# uneven pipelines (megatron's num_layers_in_first/last_pipeline_stage, account_for_*_in_pipeline_split)
+# on the 4-layer models: (world, tp, pp, vpp, split)
+UNEVEN = [(2, 1, 2, None, dict(first=1), ARCHS), (4, 2, 2, None, dict(last=1), ARCHS),
+          (4, 1, 4, None, dict(first=1, last=1), ("qwen3_6l", "qwen2_6l")),
+          (4, 1, 2, 2, dict(embedding=True, loss=True), ("qwen3_6l", "qwen2_6l")),
+          (2, 1, 2, None, dict(embedding=True), ("qwen2_5l",))]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +106,13 @@ def worlds(model_dirs, tmp_path_factory):
     for world, tp, pp, vpp in LAYOUTS:
         errors[(world, tp, pp, vpp)] = str(root / f"lp_{world}_{tp}_{pp}_{vpp}.error")
         calls.setdefault(world, []).append((_logprob_worker, (tp, pp, vpp, model_dirs), errors[(world, tp, pp, vpp)]))
+    for world, tp, pp, vpp, split, archs in UNEVEN:
+        from megappo.layout import PipelineSplit
+
+        key = (world, tp, pp, vpp, tuple(sorted(split.items())))
+        errors[key] = str(root / f"uneven_{len(errors)}.error")
+        calls.setdefault(world, []).append(
+            (_logprob_worker, (tp, pp, vpp, model_dirs, PipelineSplit(**split), archs), errors[key]))
     errors["roundtrip"] = str(root / "roundtrip.error")
     errors["sdpa"] = str(root / "sdpa.error")
     calls[1].append((_sdpa_worker, (model_dirs,), errors["sdpa"]))
@@ -84,6 +126,12 @@ def worlds(model_dirs, tmp_path_factory):
                          ids=["TP1PP1", "TP2PP1", "TP1PP2", "TP2PP2", "TP1PP1xDP2", "TP1PP2VPP2"])
 def test_actor_log_probs_equal_transformers(worlds, world, tp, pp, vpp):
     raise_if_failed(worlds[(world, tp, pp, vpp)])
+
+
+@pytest.mark.parametrize("world, tp, pp, vpp, split, archs", UNEVEN,
+                         ids=["PP2first1", "TP2PP2last1", "PP4first1last1", "PP2VPP2embloss", "PP2emb"])
+def test_uneven_pipeline_places_and_computes_what_transformers_computes(worlds, world, tp, pp, vpp, split, archs):
+    raise_if_failed(worlds[(world, tp, pp, vpp, tuple(sorted(split.items())))])
 
 
 def _roundtrip_and_critic_worker(rank, world, dirs):

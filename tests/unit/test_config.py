@@ -701,6 +701,14 @@ RULES = [
      "model directory not found: {tmp}/nomodel"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/ckpt"], PATHS, "actor_rollout_ref.model.path",
      "{tmp}/ckpt has no config.json (expected a HuggingFace model folder)"),
+    # -- an uneven pipeline split (megatron's keys under override_transformer_config)
+    ([A + "megatron.override_transformer_config.num_layers_in_last_pipeline_stage=0"], {},
+     A + "megatron.override_transformer_config.num_layers_in_last_pipeline_stage",
+     "must be at least 1 (or null: an even split), got 0"),
+    (["critic.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=2",
+      "critic.megatron.override_transformer_config.account_for_loss_in_pipeline_split=true"], {},
+     "critic.megatron.override_transformer_config.account_for_embedding_in_pipeline_split",
+     "the embedding and loss cannot be counted as layers when num_layers_in_first/last_pipeline_stage set"),
     # -- override_config.model_config: shapes kept, what transformers reads, a context vLLM takes
     (["actor_rollout_ref.model.override_config.model_config.num_hidden_layers=2"], {},
      "actor_rollout_ref.model.override_config.model_config", "num_hidden_layers: changes the shapes of the model's weights"),

@@ -152,8 +152,11 @@ def test_unknown_config_name_and_unknown_key_are_errors():
     ("+critic.megatron.override_transformer_config.gradient_accumulation_fusion=False", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.deallocate_pipeline_outputs=True", "warn",
      "keeps megatron's default"),
-    ("+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3", "error",
-     "only recompute_granularity, recompute_method, recompute_num_layers and (Mixture-of-Experts) moe_aux_loss_coeff"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout=0.1", "error",
+     "only recompute_granularity, recompute_method, recompute_num_layers, the uneven pipeline's "
+     "num_layers_in_first_pipeline_stage"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3", None, None),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.account_for_loss_in_pipeline_split=True", None, None),
     ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", None, None),   # settings
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32", None, None),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.001", None, None),

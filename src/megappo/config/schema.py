@@ -109,6 +109,10 @@ class RecomputeConfig:
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = _f("aux_loss", "Mixture-of-Experts: the load-balancing loss moe_aux_loss_coeff weighs: aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss (over the global batch).")
     moe_z_loss_coeff: Optional[float] = _f(None, "Mixture-of-Experts: weight of the router z-loss (mean squared log-sum-exp of the router logits); null turns it off. Logged as actor/moe_z_loss.")
     moe_router_dtype: Optional[Literal["fp32", "fp64"]] = _f("fp32", "Mixture-of-Experts: precision of the router's logits and top-k softmax (null: the model's dtype). fp32 keeps bf16 training from flipping near-tied expert choices.")
+    num_layers_in_first_pipeline_stage: Optional[int] = _f(None, "Uneven pipeline (megatron's key): decoder layers of the first pipeline stage; the middle stages share the rest evenly (e.g. a first stage that also holds the embedding). The actor's setting places every role's layers (they share its layout); the critic's keys may only repeat it. null: an even split.")
+    num_layers_in_last_pipeline_stage: Optional[int] = _f(None, "Uneven pipeline (megatron's key): decoder layers of the last pipeline stage (which also computes the LM head and loss), as num_layers_in_first_pipeline_stage.")
+    account_for_embedding_in_pipeline_split: bool = _f(False, "Uneven pipeline (megatron's key): count the embedding as one layer of the first stage, which then holds one decoder layer fewer; num_hidden_layers plus the counted stages must divide by PP x VPP (Qwen3-235B's 94 layers at PP8: 96 / 8 = 12 per stage with account_for_loss_in_pipeline_split). Not with num_layers_in_first/last_pipeline_stage.")
+    account_for_loss_in_pipeline_split: bool = _f(False, "Uneven pipeline (megatron's key): count the LM head and loss as one layer of the last stage, as account_for_embedding_in_pipeline_split.")
 
 
 @dataclass

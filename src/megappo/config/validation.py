@@ -79,6 +79,7 @@ def validate(
     _checkpoint_contents(cfg, need)
     _lora(cfg, need)
     _model_overrides(cfg, need)
+    _pipeline_split(cfg, need)
     if check_paths:
         _paths(cfg, need, installed)
     if E:
@@ -616,6 +617,21 @@ def _check_lora_adapter(cfg: PPOConfig, need: Need) -> None:
         need(False, "actor_rollout_ref.model.lora_adapter_path", str(e))
 
 
+def _pipeline_split(cfg: PPOConfig, need: Need) -> None:
+    """An uneven pipeline split: stage sizes of at least one layer, and one of the two forms
+    (megatron refuses both at once); whether the model's layers fit is the layout's rule."""
+    for sect in [A + "megatron"] + (["critic.megatron"] if critic_enabled(cfg) else []):
+        o, k = get(cfg, sect).override_transformer_config, sect + ".override_transformer_config."
+        for name, n in (("num_layers_in_first_pipeline_stage", o.num_layers_in_first_pipeline_stage),
+                        ("num_layers_in_last_pipeline_stage", o.num_layers_in_last_pipeline_stage)):
+            need(n is None or n >= 1, k + name, f"must be at least 1 (or null: an even split), got {n}")
+        counted = o.account_for_embedding_in_pipeline_split or o.account_for_loss_in_pipeline_split
+        sized = o.num_layers_in_first_pipeline_stage is not None or o.num_layers_in_last_pipeline_stage is not None
+        need(not (counted and sized), k + "account_for_embedding_in_pipeline_split",
+             "the embedding and loss cannot be counted as layers when num_layers_in_first/last_pipeline_stage "
+             "set the stages' sizes (megatron takes one form or the other)")
+
+
 def _override_roles(cfg: PPOConfig) -> list[str]:
     """The model sections whose override_config.model_config is read (the critic's when built)."""
     return ["actor_rollout_ref.model"] + (["critic.model"] if critic_enabled(cfg) else [])
@@ -771,5 +787,5 @@ def critic_enabled(cfg: PPOConfig) -> bool:
 
 
 # The functions holding the rules (each need(...) call site has a row in tests/unit/test_config.py).
-RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _checkpoint_contents, _lora, _model_overrides, _paths, _check_overrides, _check_model_path,
+RULE_FUNCTIONS = (_sizes, _layout, _batches, _ppo_and_kl, _policy_loss, _rollout_correction, _estimator, _sampling, _multi_turn, _optimizers, _trainer, _start_checkpoints, _checkpoint_contents, _lora, _model_overrides, _pipeline_split, _paths, _check_overrides, _check_model_path,
                   _check_experts)

@@ -146,7 +146,7 @@ def local_params(chunks, desc: ModelDesc, coords: RankCoords) -> dict[str, torch
     per_rank = desc.num_experts // coords.ep if desc.num_experts else 0
     for vp, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            name = to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp)
+            name = to_global_name(name, coords.pp_rank, vp, desc.num_layers, coords.pp, coords.vpp, coords.split)
             m = _LOCAL_EXPERT.search(name)
             if m:   # this EP rank's k-th expert is the model's (ep_rank x experts per rank + k)-th
                 g = 1 if m.group(1) is not None else 2

@@ -64,7 +64,7 @@ def write_live_hf(chunks, desc: ModelDesc, out: str, config_json: dict, *, coord
                 json.dump(_hf_config_json(config_json, desc, dt, desc.value_head), f, indent=2)
         except Exception as e:  # noqa: BLE001 - raised after the walk (the collectives must finish)
             err = e
-    named = iter_hf_tensors(chunks, desc, coords or RankCoords.from_megatron(), te)
+    named = iter_hf_tensors(chunks, desc, coords or RankCoords.from_megatron(chunks[0].config), te)
     if has_lora(chunks):
         adapters, spec = export_lora_tensors(chunks), lora_spec_of(chunks)
         named = merged_hf_tensors(named, adapters, spec)

@@ -62,20 +62,23 @@ def tp_gather(shards: list[torch.Tensor], pm: ParamMap) -> torch.Tensor:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def to_local_name(name: str, num_layers: int, pp: int, vpp: Optional[int]) -> tuple[str, Optional[tuple[int, int]]]:
-    """Global megatron name -> (chunk-local name, (pp_rank, vp_stage) owning it or None if not a layer)."""
+def to_local_name(name: str, num_layers: int, pp: int, vpp: Optional[int],
+                  split=None) -> tuple[str, Optional[tuple[int, int]]]:
+    """Global megatron name -> (chunk-local name, (pp_rank, vp_stage) owning it or None if not a
+    layer); ``split``: an uneven pipeline split (megappo.layout.PipelineSplit)."""
     m = _LAYER.match(name)
     if not m:
         return name, None
-    pp_rank, vp_stage, local = layer_owner(int(m.group(1)), num_layers, pp, vpp)
+    pp_rank, vp_stage, local = layer_owner(int(m.group(1)), num_layers, pp, vpp, split)
     return f"decoder.layers.{local}." + name[m.end():], (pp_rank, vp_stage)
 
 
-def to_global_name(name: str, pp_rank: int, vp_stage: int, num_layers: int, pp: int, vpp: Optional[int]) -> str:
+def to_global_name(name: str, pp_rank: int, vp_stage: int, num_layers: int, pp: int, vpp: Optional[int],
+                   split=None) -> str:
     m = _LAYER.match(name)
     if not m:
         return name
-    g = global_layer(pp_rank, vp_stage, int(m.group(1)), num_layers, pp, vpp)
+    g = global_layer(pp_rank, vp_stage, int(m.group(1)), num_layers, pp, vpp, split)
     return f"decoder.layers.{g}." + name[m.end():]
 
 

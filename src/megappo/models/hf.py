@@ -179,18 +179,21 @@ class MoEOptions:
 def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                        cpu: bool = False, recompute: Optional[tuple[str, str, int]] = None, ep: int = 1,
-                       etp: int = 1, moe: MoEOptions = MoEOptions(), cp: int = 1):
+                       etp: int = 1, moe: MoEOptions = MoEOptions(), cp: int = 1, split=None):
     """megatron TransformerConfig for the model and layout. CPU and GPU differ only in where
     parameters are initialised (``use_cpu_initialization``). ``recompute``: (granularity,
     method, num_layers) of megatron's activation recomputation; selective takes no method or
     layer count. ``ep``, ``moe``: expert parallelism and router settings (MoE models only); ``cp``: context
-    parallelism."""
+    parallelism; ``split``: an uneven pipeline split (megappo.layout.PipelineSplit; None: even)."""
     from megatron.core.transformer import TransformerConfig
 
+    from megappo.layout import PipelineSplit, split_problems
+
     d = info.desc
-    if d.num_layers % (pp * (vpp or 1)):
-        raise ModelConfigError(f"num_hidden_layers ({d.num_layers}) is not divisible by pipeline_model_parallel_size x "
-                               f"virtual stages ({pp} x {vpp or 1})")
+    problems = split_problems(d.num_layers, pp, vpp, split)
+    if problems:
+        raise ModelConfigError("; ".join(problems))
+    split = split or PipelineSplit()
     experts = {}
     if etp != 1:
         raise ModelConfigError(f"expert_tensor_parallel_size must be 1 (each expert whole on its EP rank), got {etp}")
@@ -219,6 +222,10 @@ def transformer_config(info: HFModelInfo, *, tp: int = 1, pp: int = 1, vpp: Opti
         add_qkv_bias=d.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=bool(sequence_parallel and tp > 1),
+        num_layers_in_first_pipeline_stage=split.first if pp > 1 else None,
+        num_layers_in_last_pipeline_stage=split.last if pp > 1 else None,
+        account_for_embedding_in_pipeline_split=split.embedding and pp > 1,
+        account_for_loss_in_pipeline_split=split.loss and pp > 1,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, use_cpu_initialization=cpu,
         recompute_granularity=recompute[0] if recompute else None,

@@ -69,7 +69,7 @@ class WeightSync:
             w.offload()
         self.actor.offload(params=False)
         self.actor.state_offload.ensure(params=True)
-        coords = RankCoords.from_megatron()
+        coords = RankCoords.from_megatron(self.actor.chunks[0].config)
         out = {}
         if self.lora_mode == "adapter" and self.base_sent:
             out = {"rollout/sync_s": 0.0, "rollout/sync_bytes": 0}
