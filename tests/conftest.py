@@ -12,6 +12,16 @@ import pytest
 # 144 s -> 120 s). torchrun makes the same choice for its workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# megappo's cache (override_config's merged model folders) stays inside the suite's temporary
+# folder, not the user's ~/.cache.
+if "MEGAPPO_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["MEGAPPO_CACHE"] = tempfile.mkdtemp(prefix="megappo-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MEGAPPO_CACHE"], True)
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 

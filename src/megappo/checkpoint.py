@@ -643,7 +643,8 @@ def verify_checkpoint(path: str, checksums: bool = True) -> None:
 
 def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, max_to_keep: Optional[int] = None,
                     per_rank_state: Optional[dict] = None, hf_sources: Optional[dict] = None,
-                    hf_weights: Optional[dict] = None, resumable: bool = True) -> str:
+                    hf_weights: Optional[dict] = None, resumable: bool = True,
+                    lora_bases: Optional[dict] = None) -> str:
     """Save every worker and the trainer state as ``global_step_<step>``; publish atomically.
     ``per_rank_state`` (e.g. RNG states) is written by every rank to ``rank_state/rank_<r>.pt``;
     ``hf_sources`` {worker name: HF model folder} adds ``<name>/huggingface/`` (config, tokenizer);
@@ -651,7 +652,9 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     making it a HuggingFace model folder (:func:`megappo.convert.live_hf_writer`: collective, the
     rank with ``write`` writes; it reads and rewrites the folder's config.json). Without
     ``resumable`` only those HF folders are written (no worker state, no trainer state) and
-    ``latest`` is left alone: such a save is an export, never resumed from.
+    ``latest`` is left alone: such a save is an export, never resumed from. ``lora_bases``
+    {worker name: the model folder its LoRA adapters were trained on, as the user named it}
+    (default: ``hf_sources``).
 
     Collective. When any rank fails (disk full, I/O error), every rank raises the same
     CheckpointError naming the rank and the cause; the partial save is removed and the previous
@@ -677,7 +680,7 @@ def save_checkpoint(root: str, step: int, workers: dict, trainer_state: dict, ma
     def state(name: str, worker) -> None:
         save_worker(worker, os.path.join(tmp, name))
         if _rank0() and _lora(worker):
-            _write_lora_file(worker, os.path.join(tmp, name), (hf_sources or {}).get(name))
+            _write_lora_file(worker, os.path.join(tmp, name), (lora_bases or hf_sources or {}).get(name))
 
     def rank_state() -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0

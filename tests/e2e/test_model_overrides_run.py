@@ -43,8 +43,10 @@ def _one_step(rank, world, setup, run_dir, extra, out):
 
 
 @pytest.mark.e2e
-def test_overridden_entries_reach_the_trained_models_vllm_and_the_checkpoint(tmp_path):
+def test_overridden_entries_reach_the_trained_models_vllm_and_the_checkpoint(tmp_path, monkeypatch):
     from harness import spawn
+
+    monkeypatch.setenv("MEGAPPO_CACHE", str(tmp_path / "cache"))   # the ranks inherit it
 
     from megappo.data.tiny import make_tiny_setup
 
@@ -83,5 +85,6 @@ def test_overridden_entries_reach_the_trained_models_vllm_and_the_checkpoint(tmp
     model = transformers.AutoModelForCausalLM.from_pretrained(step / "actor" / "huggingface")
     assert model.config.rope_parameters["rope_theta"] == 100.0
     assert math.isclose(float(model.model.rotary_emb.inv_freq[1]), float(_inv_freq(100.0, head_dim)[1]), rel_tol=1e-6)
-    # the source folder is untouched
+    # the source folder is untouched; the merged folders are in megappo's cache
     assert json.loads(Path(setup["model"], "config.json").read_text()) == source
+    assert len(list((tmp_path / "cache" / "model_overrides").iterdir())) == 2   # the actor's and the critic's

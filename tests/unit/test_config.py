@@ -718,11 +718,13 @@ RULES = [
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/qwen", "data.max_response_length=1000",
                    "actor_rollout_ref.model.override_config.model_config.max_position_embeddings=1000"], PATHS,
      "actor_rollout_ref.model.override_config.model_config.max_position_embeddings",
-     "the model's max_position_embeddings (1000) is shorter than data.max_prompt_length + data.max_response_length (1064)"
-     ": vLLM refuses that context; raise it or shorten"),
+     "the model's max_position_embeddings (1000) is shorter than the rollout's context (data.max_prompt_length + "
+     "data.max_response_length, or engine_kwargs.vllm.max_model_len: 1064): vLLM refuses that context without RoPE "
+     "scaling (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); raise it or shorten"),
     (GOOD_PATHS + ["actor_rollout_ref.model.path={tmp}/qwen", "data.max_response_length=600"], PATHS,
-     "actor_rollout_ref.model.path", "max_position_embeddings (512) is shorter than data.max_prompt_length + "
-     "data.max_response_length (664): vLLM refuses that context; set "
+     "actor_rollout_ref.model.path", "max_position_embeddings (512) is shorter than the rollout's context "
+     "(data.max_prompt_length + data.max_response_length, or engine_kwargs.vllm.max_model_len: 664): vLLM refuses "
+     "that context without RoPE scaling (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); set "
      "actor_rollout_ref.model.override_config.model_config.max_position_embeddings"),
     (GOOD_PATHS + ["custom_reward_function.path={tmp}/nope.py"], PATHS, "custom_reward_function.path",
      "file not found: {tmp}/nope.py"),

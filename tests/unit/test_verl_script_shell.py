@@ -79,6 +79,9 @@ def test_the_words_equal_what_bash_passes(tmp_path):
     ("$(((x)))", {"x": "5"}, "5"), ("$((unset + 1))", {}, "1"), ("$((a / 0))", {"a": "1"}, "$((a / 0))"),
     ("$((a + 1))", {"a": "abc"}, "$((a + 1))"), ("${a:-x}-${b:=y}-${c}", {"a": ""}, "x-y-${c}"),
     ("$a.$b", {"a": "1", "b": "2"}, "1.2"), ("$HOME_X", {"HOME": "/h"}, "$HOME_X"),
+    ("$(( ${A:-2} * 4 ))", {}, "8"), ("$((a / 2)) $((a % 2))", {"a": "-7"}, "-3 -1"),   # bash truncates
+    ("${x-d}|${x:-d}|${y-d}", {"x": ""}, "|d|d"), ("'$a' \"$a\" \\$a", {"a": "1"}, "'$a' \"1\" $a"),
+    ("$((2 ** 3))", {}, "$((2 ** 3))"),
 ])
 def test_expansions(text, env, want):
     from megappo.config.shell import expand
@@ -96,3 +99,11 @@ def test_the_cli_says_what_it_could_not_check(tmp_path):
     assert "unchecked trainer.default_local_dir: its value comes from the shell at run time ($(pwd)/ckpt)" in lines
     assert lines[-1] == "10 overrides: 0 refused or unknown, 1 unchecked"
     assert "set       actor_rollout_ref.actor.ppo_max_token_len_per_gpu: a megappo key" in lines
+
+
+def test_what_bash_does_with_comments_several_assignments_and_exports():
+    from megappo.config.shell import script_overrides
+
+    script = ("# a.comment=1 \\\npython3 -m verl a.b=1 name.x=qwen#1 # c.d=2\n"
+              "export A=3 B=4; c=5 && python3 x e.f=$A.$B.$c\n")
+    assert script_overrides(script, {}) == ["a.b=1", "name.x=qwen#1", "e.f=3.4.5"]

@@ -276,7 +276,16 @@ def _renamed(path: str) -> str:
     """megappo's key for a verl key that names one of its settings differently (verl_keys.RENAMED)."""
     from megappo.config import verl_keys
 
-    return verl_keys.RENAMED.get(path, path)
+    path = verl_keys.RENAMED.get(path, path)
+    m = _FLAT_OVERRIDE.match(path)
+    if m and m.group(2).split(".")[0] not in ("model_config", "moe_config"):
+        # verl's new model engine reads override_config's own entries as config.json's (its
+        # legacy Megatron worker only model_config's): 20 of its scripts set them so
+        return f"{m.group(1)}.override_config.model_config.{m.group(2)}"
+    return path
+
+
+_FLAT_OVERRIDE = re.compile(r"^(actor_rollout_ref\.model|critic\.model)\.override_config\.(.+)$")
 
 
 def _verl_key(path: str, value: Any, errors: Optional[list], warnings: Optional[list]) -> bool:
@@ -522,6 +531,8 @@ def load_config(
             where = f"preset {name}" if path.parent == PRESETS_DIR and name == path.stem else str(path)
             src.update((k, where) for k in done)
     for text in overrides:
+        if _mapping_override(cfg, text, errs, src, warnings):
+            continue
         try:
             if "=" in text:
                 key, value = text.split("=", 1)
@@ -540,6 +551,26 @@ def load_config(
     if errs and raise_errors:
         raise ConfigError(errs)
     return cfg
+
+
+def _mapping_override(cfg: PPOConfig, text: str, errs: list, src: dict, warnings) -> bool:
+    """``section={key: value, ...}`` on the command line: applied entry by entry as a file's
+    mapping, each entry's errors and origin its own. False when ``text`` is not that."""
+    key, _, value = text.partition("=")
+    key = _renamed(key.strip().lstrip("+"))
+    if not value.strip().startswith("{"):
+        return False
+    try:
+        _, _, tp = _locate(cfg, key)
+        data = yaml_load(value)
+    except (KeyError, yaml.YAMLError):
+        return False
+    if not _is_section(tp) or not isinstance(data, dict):
+        return False
+    done: list = []
+    apply_mapping(cfg, {key: data}, errors=errs, set_paths=done, warnings=warnings)
+    src.update((k, "the command line") for k in done)
+    return True
 
 
 # PPO with a critic and several samples per prompt: what a key left unset means (measured in

@@ -661,22 +661,27 @@ def _check_overrides(cfg: PPOConfig, need: Need) -> None:
             continue
         try:
             check_overrides(str(local), m.override_config.model_config, m.trust_remote_code)
-        except (ModelConfigError, ValueError, OSError) as e:
+        except (ModelConfigError, ValueError, TypeError, OSError) as e:
             need(False, sect + ".override_config.model_config", str(e))
-    m = cfg.actor_rollout_ref.model
+    m, vllm_args = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0") or vllm_args.get("hf_overrides"):
+        return   # vLLM is told to allow it, or reads other entries than the folder's
     try:
         raw = json.loads(Path(overridden_folder(os.path.expanduser(m.path), m.override_config.model_config),
                               "config.json").read_text())
-    except (OSError, ValueError, ModelConfigError):
+    except (OSError, ValueError, TypeError, ModelConfigError):
         return   # no folder here: its own rule names it
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    positions, needed = raw.get("max_position_embeddings"), cfg.data.max_prompt_length + cfg.data.max_response_length
-    if isinstance(positions, int) and rope.get("rope_type", rope.get("type", "default")) == "default":
+    scaled = [r for r in (raw.get("rope_parameters"), raw.get("rope_scaling"))
+              if isinstance(r, dict) and r.get("rope_type", r.get("type", "default")) != "default"]
+    positions = raw.get("max_position_embeddings")
+    needed = max(cfg.data.max_prompt_length + cfg.data.max_response_length, vllm_args.get("max_model_len") or 0)
+    if isinstance(positions, int) and not scaled:
         overridden = "max_position_embeddings" in m.override_config.model_config
         need(positions >= needed, "actor_rollout_ref.model." + ("override_config.model_config.max_position_embeddings"
                                                               if overridden else "path"),
-             f"the model's max_position_embeddings ({positions}) is shorter than data.max_prompt_length + "
-             f"data.max_response_length ({needed}): vLLM refuses that context; "
+             f"the model's max_position_embeddings ({positions}) is shorter than the rollout's context "
+             f"(data.max_prompt_length + data.max_response_length, or engine_kwargs.vllm.max_model_len: {needed}): "
+             f"vLLM refuses that context without RoPE scaling (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); "
              + ("raise it" if overridden else "set actor_rollout_ref.model.override_config.model_config."
                                             "max_position_embeddings (as verl's long-response recipes do)")
              + " or shorten the prompts or responses")

@@ -2,12 +2,12 @@
 folder's config.json. verl applies them to the trained model's config only, so a changed RoPE
 base or context length trains one model while vLLM samples from another. Here every reader of
 the folder -- the megatron build, vLLM, the tokenizer, each checkpoint's ``huggingface/`` copy --
-reads one folder: a process-local overlay of links to the source's files and a merged
-config.json (:func:`overridden_folder`). Entries that would change the weights' shapes are
+reads one folder: links to the source's files beside a merged config.json, in megappo's cache
+(:func:`overridden_folder`). The tokenizer stays model.path's (its files are the same). Entries that would change the weights' shapes are
 refused (the folder's weights would no longer load)."""
 from __future__ import annotations
 
-import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -59,6 +59,9 @@ def _read_config(path: str) -> dict:
 
 
 def _took_effect(config, key: str, value: Any) -> bool:
+    if key in ("dtype", "torch_dtype"):   # read as a torch.dtype
+        got = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        return str(got).replace("torch.", "") == str(value).replace("torch.", "")
     if key == "rope_theta":
         params = getattr(config, "rope_parameters", None) or {}
         got = params.get("rope_theta", getattr(config, "rope_theta", None))
@@ -91,22 +94,56 @@ def check_overrides(path: str, overrides: dict, trust_remote_code: bool = False)
     return config
 
 
+def _cache_root() -> str:
+    return os.environ.get("MEGAPPO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megappo")
+
+
 def overridden_folder(path: str, overrides: dict) -> str:
-    """``path`` itself without overrides; else a folder of this process's (made once, removed at
-    exit) holding links to every file of ``path`` but config.json, which is the merged one."""
+    """``path`` itself without overrides; else ``<cache>/model_overrides/<hash>`` (``$MEGAPPO_CACHE``,
+    default ``~/.cache/megappo``): links to every file of ``path`` but config.json, which is the
+    merged one. Its name depends only on the source folder and the entries, so every rank and run
+    with the same ones reads the same folder (vLLM's compile cache keys on the model's path), and a
+    killed run leaves nothing behind that a later one would not reuse. Made once, atomically: ranks
+    of one node racing to make it agree on one copy."""
     if not overrides:
         return path
     src = os.path.realpath(os.path.expanduser(path))
     key = (src, json.dumps(overrides, sort_keys=True))
-    if key in _overlays and os.path.isdir(_overlays[key]):
+    if key in _overlays and os.path.isfile(os.path.join(_overlays[key], "config.json")):
         return _overlays[key]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    final = os.path.join(_cache_root(), "model_overrides", f"{os.path.basename(src)}-{digest}")
     merged = merged_config(_read_config(src), overrides)
-    folder = tempfile.mkdtemp(prefix="megappo-model-")
-    atexit.register(shutil.rmtree, folder, True)   # links only: the source's files stay
-    for name in os.listdir(src):
-        if name != "config.json":
-            os.symlink(os.path.join(src, name), os.path.join(folder, name))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(merged, f, indent=2)
-    _overlays[key] = folder
-    return folder
+    if not _same_overlay(final, src, merged):
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+        for name in os.listdir(src):
+            if name != "config.json":
+                os.symlink(os.path.join(src, name), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(merged, f, indent=2)
+        try:
+            os.rename(tmp, final)
+        except OSError:   # another rank made it first (or a stale copy is there): keep one that is right
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _same_overlay(final, src, merged):
+                old = f"{final}.old-{os.getpid()}"
+                os.rename(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+                return overridden_folder(path, overrides)
+    _overlays[key] = final
+    return final
+
+
+def _same_overlay(folder: str, src: str, merged: dict) -> bool:
+    """``folder`` holds ``merged`` and a link to each file of ``src`` (the source may have changed)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            if json.load(f) != merged:
+                return False
+        names = set(os.listdir(src)) - {"config.json"}
+        return names == set(os.listdir(folder)) - {"config.json"} and all(
+            os.path.realpath(os.path.join(folder, n)) == os.path.realpath(os.path.join(src, n)) for n in names)
+    except (OSError, ValueError):
+        return False

@@ -50,13 +50,15 @@ def save(cfg, step: int, workers: dict, sampler, algo_state: dict, world: int, l
              **{name: obj.state_dict() for name, obj in algo_state.items()}}
     contents = {"actor": cfg.actor_rollout_ref.actor.checkpoint.save_contents,
                 "critic": cfg.critic.checkpoint.save_contents}
-    bases = {"actor": cfg.actor_rollout_ref.model.path, "critic": cfg.critic.model.path}   # a LoRA adapter's base
-    exports = {name: live_hf_writer(w.chunks, w.desc, base_model=os.path.expanduser(bases[name]))
+    # a LoRA adapter's base, as the user named it (not the folder of override_config's entries)
+    bases = {name: os.path.expanduser(p) for name, p in (("actor", cfg.actor_rollout_ref.model.path),
+                                                           ("critic", cfg.critic.model.path)) if name in workers}
+    exports = {name: live_hf_writer(w.chunks, w.desc, base_model=bases[name])
                for name, w in workers.items() if "hf_model" in contents[name]}
     return save_checkpoint(os.path.expanduser(tr.default_local_dir), step, workers, state, max_to_keep=keep,
                            per_rank_state={**rng.capture(), "inflight": _plain_inflight(inflight),
                                            **({"critic_replay": replay.state_dict()} if replay is not None else {})},
-                           hf_sources=hf, hf_weights=exports, resumable=resumable_checkpoints(cfg))
+                           hf_sources=hf, hf_weights=exports, resumable=resumable_checkpoints(cfg), lora_bases=bases)
 
 
 def check_run_dir(cfg) -> None:
