@@ -72,13 +72,9 @@ def _arithmetic(expr: str, env: Mapping[str, str]) -> Optional[str]:
 def expand(text: str, env: MutableMapping[str, str]) -> str:
     """``text`` with the expansions the module's docstring lists; the others left as written.
     ``${name:=default}`` assigns in ``env``."""
-    out, i, single, double = [], 0, False, False
+    quoting, out, i = _quoting(text), [], 0
     while i < len(text):
-        c = text[i]
-        if c == "'" and not double:
-            single = not single
-        elif c == '"' and not single:
-            double = not double
+        c, single = text[i], quoting[i] == "'"
         if c == "\\" and not single and i + 1 < len(text) and text[i + 1] == "$":
             out.append("$")   # a literal dollar (left for the caller's unchecked test to see)
             i += 2
@@ -124,31 +120,35 @@ def _braced(whole: str, env: MutableMapping[str, str]) -> str:
     return value
 
 
+def _quoting(text: str) -> list[str]:
+    """For each character of ``text``: the quote it is inside ("'" or '"'; a quote mark counts as
+    inside its own quotes), or "" outside quotes."""
+    out, open_ = [], ""
+    for c in text:
+        if c in "'\"" and open_ in ("", c):
+            open_ = "" if open_ else c
+            out.append(c)
+        else:
+            out.append(open_)
+    return out
+
+
 def _strip_comment(line: str) -> str:
     """The line up to a ``#`` that starts a word outside quotes (bash's comment)."""
-    single = double = False
+    quoting = _quoting(line)
     for i, c in enumerate(line):
-        if c == "'" and not double:
-            single = not single
-        elif c == '"' and not single:
-            double = not double
-        elif c == "#" and not single and not double and (i == 0 or line[i - 1].isspace()):
+        if c == "#" and not quoting[i] and (i == 0 or line[i - 1].isspace()):
             return line[:i]
     return line
 
 
 def _commands(line: str) -> list[str]:
     """The line split at ``;``, ``&&`` and ``||`` outside quotes."""
-    out, start, single, double, i = [], 0, False, False, 0
+    quoting, out, start, i = _quoting(line), [], 0, 0
     while i < len(line):
-        c = line[i]
-        if c == "'" and not double:
-            single = not single
-        elif c == '"' and not single:
-            double = not double
-        elif not single and not double and (c == ";" or line.startswith(("&&", "||"), i)):
+        if not quoting[i] and (line[i] == ";" or line.startswith(("&&", "||"), i)):
             out.append(line[start:i])
-            i += 1 if c == ";" else 2
+            i += 1 if line[i] == ";" else 2
             start = i
             continue
         i += 1
